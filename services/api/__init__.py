@@ -1,0 +1,1 @@
+"""The HTTP API: submit jobs, follow them, read results."""

@@ -1,0 +1,112 @@
+"""/jobs: submit a model, follow its jobs, cancel one."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Response, status
+from kombu.exceptions import OperationalError as BrokerError
+from redis.exceptions import RedisError
+
+from services.api.deps import ProducerDep, SessionDep, SettingsDep
+from services.api.schemas import (
+    JobCreate,
+    JobOut,
+    JobPage,
+    JobsSubmitted,
+    ModelId,
+    SubmittedJob,
+    error_responses,
+)
+from shared import jobs as job_rules
+from shared.broker import enqueue_job, revoke_job
+from shared.enums import JobState
+from shared.hub import HubUnavailable, ModelNotFound, RevisionNotFound, resolve_model
+from shared.models import Job
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=JobsSubmitted,
+    responses={
+        200: {"model": JobsSubmitted, "description": "Identical jobs already existed; nothing was enqueued"},
+        **error_responses(404, 413, 422, 503),
+    },
+)
+def submit_jobs(
+    body: JobCreate, session: SessionDep, settings: SettingsDep, producer: ProducerDep, response: Response
+) -> JobsSubmitted:
+    """One job per compiler version: 202 when any was created, 200 when all already existed."""
+    try:
+        model = resolve_model(body.model_id, body.revision)
+    except (ModelNotFound, RevisionNotFound) as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    except HubUnavailable as exc:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from exc
+    try:
+        runtimes = job_rules.plan_runtimes(session, settings, body.compilers)
+    except job_rules.UnknownCompiler as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
+    except job_rules.NoRuntime as exc:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from exc
+    submitted = job_rules.submit(session, model, body.revision, runtimes, force=body.force)
+    session.commit()
+    created = [s.job for s in submitted if s.created]
+    try:
+        for job in created:
+            enqueue_job(producer, job.id, job.queue)
+    except (BrokerError, RedisError, OSError) as exc:
+        job_rules.withdraw(session, [j.id for j in created])
+        session.commit()
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE, f"the job queue is unavailable, nothing was submitted: {exc}"
+        ) from exc
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return JobsSubmitted(
+        jobs=[SubmittedJob(**JobOut.model_validate(s.job).model_dump(), created=s.created) for s in submitted]
+    )
+
+
+@router.get("", response_model=JobPage, responses=error_responses(422))
+def list_jobs(
+    session: SessionDep,
+    settings: SettingsDep,
+    state: JobState | None = None,
+    model_id: Annotated[ModelId | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    cursor: Annotated[int | None, Query(ge=1, description="next_cursor of the previous page")] = None,
+) -> JobPage:
+    """Newest first."""
+    limit = min(limit, settings.page_limit_max)
+    items = job_rules.list_jobs(session, state=state, model_id=model_id, before_id=cursor, limit=limit)
+    next_cursor = str(items[-1].id) if len(items) == limit else None
+    return JobPage(items=[JobOut.model_validate(j) for j in items], next_cursor=next_cursor)
+
+
+@router.get("/{job_id}", response_model=JobOut, responses=error_responses(404, 422))
+def get_job(job_id: int, session: SessionDep) -> JobOut:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} does not exist")
+    return JobOut.model_validate(job)
+
+
+@router.delete("/{job_id}", response_model=JobOut, responses=error_responses(404, 409, 422))
+def cancel_job(job_id: int, session: SessionDep, producer: ProducerDep) -> JobOut:
+    """Cancel a queued job, or stop a running one: its worker kills the runner within a heartbeat."""
+    try:
+        job = job_rules.cancel(session, job_id)
+    except job_rules.JobNotFound as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    except job_rules.JobFinished as exc:
+        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
+    session.commit()
+    # Best effort: the SQL state already stops it, since a delivered message finds the job cancelled.
+    with contextlib.suppress(BrokerError, RedisError, OSError):
+        revoke_job(producer, job_id)
+    return JobOut.model_validate(job)

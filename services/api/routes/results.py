@@ -1,0 +1,57 @@
+"""/results: finished tests as JSON, CSV or Parquet, for people and downstream tools."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Response
+
+from services.api.deps import SessionDep, SettingsDep
+from services.api.schemas import CompilerVersion, ModelId, ResultPage, error_responses
+from shared.enums import Verdict
+from shared.records import query_results, to_csv, to_parquet_bytes
+
+router = APIRouter(prefix="/results", tags=["results"])
+
+NEXT_CURSOR_HEADER = "X-Next-Cursor"
+
+
+@router.get(
+    "",
+    response_model=ResultPage,
+    responses={
+        200: {
+            "description": "Results, newest first. CSV and Parquet carry the next cursor in X-Next-Cursor.",
+            "content": {"text/csv": {}, "application/vnd.apache.parquet": {}},
+        },
+        **error_responses(422),
+    },
+)
+def list_results(
+    session: SessionDep,
+    settings: SettingsDep,
+    model_id: Annotated[ModelId | None, Query()] = None,
+    compiler: Annotated[CompilerVersion | None, Query()] = None,
+    library_version: Annotated[CompilerVersion | None, Query()] = None,
+    verdict: Verdict | None = None,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 100,
+    cursor: Annotated[int | None, Query(ge=1, description="next_cursor of the previous page")] = None,
+    format: Literal["json", "csv", "parquet"] = "json",
+) -> ResultPage | Response:
+    limit = min(limit, settings.page_limit_max)
+    rows = query_results(
+        session,
+        model_id=model_id,
+        compiler=compiler,
+        library_version=library_version,
+        verdict=verdict,
+        before_id=cursor,
+        limit=limit,
+    )
+    next_cursor = str(rows[-1]["job_id"]) if len(rows) == limit else None
+    headers = {NEXT_CURSOR_HEADER: next_cursor} if next_cursor else {}
+    if format == "csv":
+        return Response(to_csv(rows), media_type="text/csv", headers=headers)
+    if format == "parquet":
+        return Response(to_parquet_bytes(rows), media_type="application/vnd.apache.parquet", headers=headers)
+    return ResultPage(items=rows, next_cursor=next_cursor)

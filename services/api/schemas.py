@@ -1,0 +1,120 @@
+"""Request and response bodies of the HTTP API."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from shared.enums import ErrorClass, JobState
+from shared.hub import MODEL_ID_PATTERN, REVISION_PATTERN, is_model_id, is_revision
+
+COMPILER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$"
+
+
+def _model_id(value: str) -> str:
+    if not is_model_id(value):
+        raise ValueError(
+            "not a Hub model id: expected org/name, each part 1-96 letters, digits, '-', '_' or '.', "
+            "not starting or ending with '-' or '.', without '--' or '..'"
+        )
+    return value
+
+
+def _revision(value: str) -> str:
+    if not is_revision(value):
+        raise ValueError("not a revision: expected a branch, tag or commit sha without spaces or '..'")
+    return value
+
+
+# The Hub's grammars use look-aheads, which pydantic's regex engine lacks: checked in Python,
+# still published in the OpenAPI schema.
+ModelId = Annotated[
+    str,
+    Field(
+        max_length=193,
+        description="A Hub model id, `org/name`.",
+        examples=["Qwen/Qwen3-0.6B"],
+        json_schema_extra={"pattern": MODEL_ID_PATTERN},
+    ),
+    AfterValidator(_model_id),
+]
+Revision = Annotated[
+    str, Field(max_length=200, json_schema_extra={"pattern": REVISION_PATTERN}), AfterValidator(_revision)
+]
+CompilerVersion = Annotated[
+    str, Field(pattern=COMPILER_PATTERN, description="A compiler version, e.g. `2.21.33363.0+6dfecc895`.")
+]
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: ModelId
+    revision: Revision | None = Field(None, description="Branch, tag or commit sha; default the Hub's main.")
+    compilers: Annotated[list[CompilerVersion], Field(min_length=1, max_length=32)] | None = Field(
+        None, description="Compiler versions to test with; default: every version live workers serve."
+    )
+    force: bool = Field(False, description="Run again even if an identical job already finished.")
+
+
+class JobOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    model_id: str
+    revision: str | None
+    sha: str
+    task: str
+    compiler_name: str
+    compiler_version: str
+    library: str
+    library_version: str
+    backend: str
+    cores: int
+    queue: str
+    state: JobState
+    attempts: int
+    lease_owner: str | None
+    heartbeat_at: dt.datetime | None
+    created_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    error_class: ErrorClass | None
+    error_message: str | None
+
+
+class SubmittedJob(JobOut):
+    created: bool = Field(description="False when an identical job already existed and is returned instead.")
+
+
+class JobsSubmitted(BaseModel):
+    jobs: list[SubmittedJob]
+
+
+class JobPage(BaseModel):
+    items: list[JobOut]
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null on the last.")
+
+
+class ResultPage(BaseModel):
+    items: list[dict[str, Any]]
+    next_cursor: str | None
+
+
+class ErrorBody(BaseModel):
+    detail: Any = Field(description="Why the request was refused.")
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the error statuses a route returns."""
+    reasons = {
+        400: "Malformed request",
+        404: "Not found",
+        409: "Conflicts with the job's state",
+        413: "Request body too large",
+        422: "Invalid input; the detail says which field and why",
+        503: "A dependency (Hub, database, broker) is unavailable",
+    }
+    return {s: {"model": ErrorBody, "description": reasons[s]} for s in statuses}

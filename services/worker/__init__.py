@@ -1,0 +1,1 @@
+"""The Celery worker: claims jobs, runs each in an isolated runner process, writes the result."""

@@ -1,0 +1,29 @@
+"""The Celery app of the worker: `celery -A services.worker.celery_app:app worker`.
+
+Job workers are started with `python -m services.worker`, which learns what this machine serves, consumes
+the queue for it and registers in the `workers` table; a collector is a plain Celery worker on the export
+queue (`celery -A services.worker.celery_app:app worker -Q supportmatrix.export`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.signals import worker_ready, worker_shutdown
+
+from services.worker import registry
+from shared.broker import make_celery
+from shared.settings import get_settings
+
+app = make_celery(get_settings(), "supportmatrix-worker")
+app.conf.include = ["services.worker.tasks"]
+
+
+@worker_ready.connect
+def _register(sender: Any, **_: Any) -> None:
+    registry.start(sender.hostname)
+
+
+@worker_shutdown.connect
+def _deregister(**_: Any) -> None:
+    registry.stop()

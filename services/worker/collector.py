@@ -1,0 +1,38 @@
+"""`python -m services.worker.collector [--every SECONDS]`: export results to Parquet, once or repeatedly.
+
+The same export runs as the `supportmatrix.export` Celery task, which workers request after each result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from shared.db import session_scope
+from shared.export import export_results
+from shared.settings import get_settings
+
+
+def export_once() -> None:
+    settings = get_settings()
+    with session_scope() as session:
+        summary = export_results(session, settings.export_path)
+    print(
+        f"{summary.data_dir}: {len(summary.written)} written, {len(summary.unchanged)} unchanged", flush=True
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.worker.collector", description=__doc__)
+    parser.add_argument("--every", type=float, help="repeat every this many seconds until interrupted")
+    args = parser.parse_args(argv)
+    export_once()
+    while args.every:
+        time.sleep(args.every)
+        export_once()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

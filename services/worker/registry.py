@@ -1,0 +1,88 @@
+"""A job worker's row in `workers`: who it is, what it serves, and a heartbeat while it lives.
+
+The API reads live rows to know which compiler versions are served. Only workers started by
+`python -m services.worker` register (``configure`` is called there); a collector does not.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+
+from shared.db import session_scope
+from shared.models import Worker, utcnow
+from shared.runtime import RuntimeInfo
+from shared.settings import get_settings
+
+
+@dataclass
+class Identity:
+    runtime: RuntimeInfo
+    queue: str
+    cores: str
+    core_count: int
+
+
+_identity: Identity | None = None
+_stop = threading.Event()
+_thread: threading.Thread | None = None
+
+
+def configure(identity: Identity) -> None:
+    global _identity
+    _identity = identity
+
+
+def start(name: str) -> None:
+    global _thread
+    if _identity is None:
+        return
+    identity = _identity
+    rt = identity.runtime
+    with session_scope() as session:
+        session.merge(
+            Worker(
+                name=name,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                backend=rt.backend,
+                compiler_name=rt.compiler_name,
+                compiler_version=rt.compiler_version,
+                library=rt.library,
+                library_version=rt.library_version,
+                torch_version=rt.torch_version,
+                cores=identity.cores,
+                core_count=identity.core_count,
+                queue=identity.queue,
+                started_at=utcnow(),
+                heartbeat_at=utcnow(),
+            )
+        )
+    _stop.clear()
+    _thread = threading.Thread(target=_beat, args=(name,), name="worker-heartbeat", daemon=True)
+    _thread.start()
+
+
+def _beat(name: str) -> None:
+    interval = get_settings().heartbeat_interval_s
+    while not _stop.wait(interval):
+        try:
+            with session_scope() as session:
+                session.execute(sa.update(Worker).where(Worker.name == name).values(heartbeat_at=utcnow()))
+        except Exception:  # a database blip must not kill the heartbeat; the next beat retries
+            continue
+
+
+def stop() -> None:
+    _stop.set()
+    if _thread is None or _identity is None:
+        return
+    _thread.join(timeout=5)
+    with session_scope() as session:
+        session.execute(
+            sa.delete(Worker).where(Worker.pid == os.getpid(), Worker.host == socket.gethostname())
+        )

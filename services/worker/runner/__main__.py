@@ -1,0 +1,136 @@
+"""`python -m services.worker.runner MODEL [--revision R] [--backend cpu]`: test one model, print a report.
+
+MODEL is a Hub id (downloaded through huggingface_hub, honouring HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE)
+or a local checkpoint directory. The CPU reference and the accelerator run each happen in a child process;
+this process only downloads, launches, compares and reports. The report is one JSON object on the last
+line of stdout (and in --report PATH). Exit status: 0 PASS, 1 FAIL, 2 ERROR or SKIPPED, 64 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from services.worker.runner.backends import BACKENDS, get_backend
+from services.worker.runner.download import download
+from services.worker.runner.failures import RunFailure
+from services.worker.runner.launch import run_child
+from services.worker.runner.tasks import TASKS, get_task
+from shared.enums import ErrorClass, Task, Verdict
+from shared.runtime import RunReport, RuntimeInfo
+from shared.settings import get_settings
+
+EXIT_CODES = {Verdict.PASS: 0, Verdict.FAIL: 1, Verdict.ERROR: 2, Verdict.SKIPPED: 2}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.worker.runner", description=__doc__)
+    parser.add_argument("model", nargs="?", help="Hub id (org/name) or a local checkpoint directory")
+    parser.add_argument("--revision", help="branch, tag or commit sha (Hub ids only)")
+    parser.add_argument("--backend", choices=sorted(BACKENDS), help="default: SUPPORTMATRIX_BACKEND")
+    parser.add_argument("--task", default=Task.text_generation.value, choices=sorted(TASKS))
+    parser.add_argument("--core-range", help="the cores this run is pinned to, recorded as provenance")
+    parser.add_argument("--timeout", type=float, help="seconds per child process (default: the job timeout)")
+    parser.add_argument("--report", type=Path, help="also write the JSON report to this file")
+    parser.add_argument(
+        "--describe", action="store_true", help="print the backend's runtime versions and exit"
+    )
+    args = parser.parse_args(argv)
+    if not args.describe and not args.model:
+        parser.error("MODEL is required")
+    return args
+
+
+def reproduce_command(model_id: str, sha: str | None, backend: str, task: str) -> str:
+    parts = ["python", "-m", "services.worker.runner", model_id]
+    if sha:
+        parts += ["--revision", sha]
+    parts += ["--backend", backend]
+    if task != Task.text_generation.value:
+        parts += ["--task", task]
+    return shlex.join(parts)
+
+
+def describe(backend_name: str, timeout_s: float) -> RuntimeInfo:
+    with tempfile.TemporaryDirectory(prefix="describe-") as tmp:
+        spec = {"role": "describe", "backend": backend_name}
+        return RuntimeInfo(**run_child(spec, {}, timeout_s, Path(tmp)))
+
+
+def run(args: argparse.Namespace) -> RunReport:
+    settings = get_settings()
+    backend = get_backend(args.backend or settings.backend, settings)
+    task = get_task(args.task)
+    timeout_s = args.timeout or settings.job_timeout_s
+    report = RunReport(
+        model_id=args.model,
+        revision=args.revision,
+        task=args.task,
+        backend=backend.name,
+        verdict=Verdict.ERROR,
+        host=socket.gethostname(),
+        core_range=args.core_range,
+    )
+    try:
+        checkpoint = download(args.model, args.revision)
+        report.sha = checkpoint.sha
+        report.reproduce = reproduce_command(args.model, checkpoint.sha, backend.name, args.task)
+        runs_dir = settings.data_dir / "runs"
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="run-", dir=runs_dir) as tmp:
+            workdir = Path(tmp)
+            common = {"backend": backend.name, "task": args.task, "model_dir": str(checkpoint.path)}
+            reference = run_child(
+                {**common, "role": "reference"}, backend.reference_env(), timeout_s, workdir
+            )
+            accelerator = run_child(
+                {**common, "role": "accelerator"}, backend.accelerator_env(), timeout_s, workdir
+            )
+    except RunFailure as failure:
+        report.error_class = failure.error_class
+        report.error_message = failure.message
+        return report
+    report = report.model_copy(update=task.compare(reference, accelerator))
+    runtime = RuntimeInfo(**accelerator["runtime"])
+    report.compiler_name = runtime.compiler_name
+    report.compiler_version = runtime.compiler_version
+    report.library_version = runtime.library_version
+    report.torch_version = runtime.torch_version
+    for key in ("wall_s", "load_s", "compile_s", "generate_s", "peak_memory_bytes"):
+        setattr(report, key, accelerator[key])
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.describe:
+        settings = get_settings()
+        info = describe(args.backend or settings.backend, args.timeout or settings.job_timeout_s)
+        print(info.model_dump_json())
+        return 0
+    try:
+        report = run(args)
+    except Exception as exc:  # a bug of ours still ends in a report, never in a silent exit
+        report = RunReport(
+            model_id=args.model,
+            task=args.task,
+            backend=args.backend or get_settings().backend,
+            verdict=Verdict.ERROR,
+            error_class=ErrorClass.internal,
+            error_message=f"runner: {type(exc).__name__}: {exc}",
+        )
+    text = report.model_dump_json()
+    if args.report:
+        tmp = args.report.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(args.report)
+    print(text)
+    return EXIT_CODES[report.verdict]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The interface every backend implements: devices, compile, collectives, memory, environment."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from shared.runtime import RuntimeInfo
+from shared.settings import Settings
+
+
+class Backend(ABC):
+    name: str
+    device: str  # where the accelerator run places the model
+    collective: str  # torch.distributed backend for sharded runs
+    dtype: str = "float32"  # run dtype of both the accelerator and the CPU reference
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def reference_env(self) -> dict[str, str]:
+        """Environment of the CPU-reference process (eager, on the CPU)."""
+        return {}
+
+    @abstractmethod
+    def accelerator_env(self) -> dict[str, str]:
+        """Environment of the accelerator process: compile caches, fallback switches."""
+
+    @abstractmethod
+    def describe(self) -> RuntimeInfo:
+        """Compiler and library versions; imports torch, so call it in a runner process only."""
+
+    @abstractmethod
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """The backend's torch.compile of ``fn`` with static shapes and a full graph."""
+
+    def synchronize(self) -> None:  # noqa: B027 - the CPU has nothing to wait for
+        pass
+
+    @abstractmethod
+    def peak_memory_bytes(self) -> int:
+        """Peak memory of this process on the accelerator run's device."""

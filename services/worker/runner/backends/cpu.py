@@ -1,0 +1,46 @@
+"""The CPU backend: inductor (or the configured dynamo backend) on this machine's cores."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from services.worker.runner.backends.base import Backend
+from services.worker.runner.measure import peak_rss_bytes
+from shared.runtime import LIBRARY, RuntimeInfo
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    device = "cpu"
+    collective = "gloo"
+
+    @property
+    def compile_backend(self) -> str:
+        return self.settings.cpu_compile_backend
+
+    def accelerator_env(self) -> dict[str, str]:
+        inductor = self.settings.cache_path / "inductor"
+        # Inductor writes precompiled headers under TMPDIR whatever its cache dir says: keep both together.
+        return {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TMPDIR": str(inductor / "tmp")}
+
+    def describe(self) -> RuntimeInfo:
+        import torch
+        import transformers
+
+        return RuntimeInfo(
+            backend=self.name,
+            compiler_name=self.compile_backend,
+            compiler_version=f"{self.compile_backend}-{torch.__version__}",
+            library=LIBRARY,
+            library_version=transformers.__version__,
+            torch_version=torch.__version__,
+        )
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        import torch
+
+        return torch.compile(fn, backend=self.compile_backend, fullgraph=True, dynamic=False)
+
+    def peak_memory_bytes(self) -> int:
+        return peak_rss_bytes()

@@ -1,0 +1,34 @@
+"""Timings and peak memory of the process that runs the model."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM).
+
+    Not ru_maxrss: Linux carries a parent's high-water mark across fork+exec, so a child of a big worker
+    would report the parent's peak.
+    """
+    match = re.search(r"^VmHWM:\s+(\d+)\s+kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError("VmHWM missing from /proc/self/status")
+    return int(match.group(1)) * 1024
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.perf_counter() - start

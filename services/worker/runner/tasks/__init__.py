@@ -1,0 +1,17 @@
+"""Tasks: what is run on a checkpoint and how its outputs are compared. One module per task."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from services.worker.runner.tasks import text_generation
+from shared.enums import Task
+
+TASKS: dict[str, ModuleType] = {Task.text_generation.value: text_generation}
+
+
+def get_task(name: str) -> ModuleType:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}") from None

@@ -1,0 +1,125 @@
+"""Running one job's runner as a child process: hard timeout, lease heartbeats, cancel, crash capture.
+
+The worker never imports torch or the runner: it starts `python -m services.worker.runner` in its own
+process group and reads the report it writes. Whatever happens to that process — crash, hang, OOM kill —
+ends here as a RunReport (ERROR with its class), never as a dead worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from shared.enums import ErrorClass, Verdict
+from shared.models import Job
+from shared.processes import describe_exit
+from shared.runtime import RunReport
+from shared.settings import Settings, child_environment
+
+LOG_TAIL_CHARS = 3000
+
+
+def runner_command(job: Job, report_path: Path, core_range: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "services.worker.runner",
+        job.model_id,
+        "--revision",
+        job.sha,
+        "--backend",
+        job.backend,
+        "--task",
+        job.task,
+        "--core-range",
+        core_range,
+        "--report",
+        str(report_path),
+    ]
+
+
+def error_report(job: Job, error_class: ErrorClass, message: str, core_range: str) -> RunReport:
+    return RunReport(
+        model_id=job.model_id,
+        sha=job.sha,
+        revision=job.revision,
+        task=job.task,
+        backend=job.backend,
+        verdict=Verdict.ERROR,
+        error_class=error_class,
+        error_message=message,
+        cores=job.cores,
+        core_range=core_range,
+        compiler_name=job.compiler_name,
+        compiler_version=job.compiler_version,
+        library=job.library,
+        library_version=job.library_version,
+    )
+
+
+def supervise(
+    job: Job,
+    settings: Settings,
+    workdir: Path,
+    keep_lease: Callable[[], bool],
+    core_range: str,
+    env: dict[str, str],
+) -> RunReport | None:
+    """Run the job's runner to its end; None when the lease was lost (cancelled), so nothing is written."""
+    report_path = workdir / "report.json"
+    log_path = workdir / "runner.log"
+    deadline = time.monotonic() + settings.job_timeout_s
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            runner_command(job, report_path, core_range),
+            env=child_environment(env),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: one kill takes the runner and its children
+        )
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    _kill_group(proc)
+                    return error_report(
+                        job,
+                        ErrorClass.timeout,
+                        f"runner exceeded the {settings.job_timeout_s:.0f} s limit and was killed",
+                        core_range,
+                    )
+                try:
+                    returncode = proc.wait(timeout=min(settings.heartbeat_interval_s, remaining))
+                    break
+                except subprocess.TimeoutExpired:
+                    if not keep_lease():
+                        _kill_group(proc)
+                        return None
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+    try:
+        report = RunReport.model_validate_json(report_path.read_text())
+    except (OSError, ValidationError) as exc:
+        tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        message = (
+            f"runner {describe_exit(returncode)} without a report ({type(exc).__name__}); output:\n{tail}"
+        )
+        return error_report(job, ErrorClass.crash, message, core_range)
+    report.cores = job.cores
+    return report
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

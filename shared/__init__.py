@@ -1,0 +1,1 @@
+"""What the API and the worker share: settings, schema, enums, queue names, Hub access, export."""

@@ -1,0 +1,52 @@
+"""One engine per process, and sessions from it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session, sessionmaker
+
+from shared.settings import get_settings
+
+
+def make_engine(url: str) -> sa.Engine:
+    if url.startswith("sqlite"):
+        engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @sa.event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+            # WAL lets the API read while a worker writes; foreign keys are off by default in SQLite.
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        return engine
+    return sa.create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+
+
+@lru_cache
+def get_engine() -> sa.Engine:
+    settings = get_settings()
+    if settings.database_url.startswith("sqlite:///"):
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return make_engine(settings.database_url)
+
+
+@lru_cache
+def _session_factory() -> sessionmaker[Session]:
+    return sessionmaker(get_engine(), expire_on_commit=False)
+
+
+def new_session() -> Session:
+    return _session_factory()()
+
+
+@contextmanager
+def session_scope() -> Iterator[Session]:
+    """A session that commits on success and rolls back on error."""
+    with new_session() as session, session.begin():
+        yield session

@@ -1,0 +1,46 @@
+"""Codes defined once and used everywhere: SQL, API, Parquet, metrics."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class JobState(StrEnum):
+    queued = "queued"
+    running = "running"
+    done = "done"  # finished with a verdict about the model: PASS, FAIL or SKIPPED
+    failed = "failed"  # finished with ERROR: the model could not be tested to the end
+    cancelled = "cancelled"
+
+
+ACTIVE_STATES = (JobState.queued, JobState.running)
+
+
+class Verdict(StrEnum):
+    PASS = "PASS"
+    FAIL = "FAIL"
+    ERROR = "ERROR"
+    SKIPPED = "SKIPPED"
+
+
+class ErrorClass(StrEnum):
+    download = "download"  # the Hub refused or failed to serve the files
+    gated = "gated"  # the repo needs accepted terms or a token we do not have
+    not_found = "not_found"  # repo, revision or a required file does not exist
+    load = "load"  # from_pretrained failed
+    compile = "compile"  # torch.compile / the backend compiler failed
+    runtime = "runtime"  # the compiled model failed while running
+    oom = "oom"  # out of host or device memory
+    timeout = "timeout"  # the runner ran past its hard limit
+    crash = "crash"  # a runner process died without a report (signal, abort)
+    worker_lost = "worker_lost"  # delivered max_attempts times without finishing
+    internal = "internal"  # a bug of ours; the message says where
+
+
+class Task(StrEnum):
+    text_generation = "text-generation"
+
+
+class CompilerName(StrEnum):
+    inductor = "inductor"
+    neuronx_cc = "neuronx-cc"

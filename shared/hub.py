@@ -1,0 +1,82 @@
+"""Talking to the Hub (or to the stand-in that HF_ENDPOINT names) about a model, before any download."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from huggingface_hub import HfApi
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+# The Hub's repo-id grammar, narrowed to "org/name": letters, digits, '-', '_', '.', at most 96 each,
+# not starting or ending with '-' or '.', no '--' or '..'.
+_PART = r"(?!.*(?:--|\.\.))[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+MODEL_ID_PATTERN = rf"^{_PART}/{_PART}$"
+_MODEL_ID_RE = re.compile(MODEL_ID_PATTERN)
+# A branch, tag or commit sha: no whitespace, no control characters, no "..".
+REVISION_PATTERN = r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
+_REVISION_RE = re.compile(REVISION_PATTERN)
+
+
+def is_model_id(value: str) -> bool:
+    return bool(_MODEL_ID_RE.fullmatch(value)) and not value.endswith(".git")
+
+
+def is_revision(value: str) -> bool:
+    return bool(_REVISION_RE.fullmatch(value))
+
+
+class HubError(Exception):
+    """Base of what the Hub answered that stops a submission."""
+
+
+class ModelNotFound(HubError):
+    pass
+
+
+class RevisionNotFound(HubError):
+    pass
+
+
+class HubUnavailable(HubError):
+    pass
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    model_id: str
+    sha: str
+    gated: bool
+    pipeline_tag: str | None
+
+
+def resolve_model(model_id: str, revision: str | None = None, timeout_s: float = 20.0) -> ResolvedModel:
+    """The commit a (model, revision) points at now; raises a HubError subclass with a reason."""
+    try:
+        info = HfApi().model_info(model_id, revision=revision, timeout=timeout_s)
+    except RevisionNotFoundError as exc:
+        raise RevisionNotFound(f"revision {revision!r} of {model_id} does not exist on the Hub") from exc
+    except GatedRepoError as exc:  # a subclass of RepositoryNotFoundError: test it first
+        raise ModelNotFound(f"{model_id} is gated and the configured token may not read it") from exc
+    except RepositoryNotFoundError as exc:
+        raise ModelNotFound(f"{model_id} does not exist on the Hub, or is private") from exc
+    except OfflineModeIsEnabled as exc:
+        raise HubUnavailable("HF_HUB_OFFLINE is set: the Hub cannot be asked about models") from exc
+    except HfHubHTTPError as exc:
+        raise HubUnavailable(f"the Hub answered {exc.response.status_code if exc.response else '?'}") from exc
+    except OSError as exc:  # connection refused, DNS, timeouts
+        raise HubUnavailable(f"the Hub is unreachable: {exc.__class__.__name__}: {exc}") from exc
+    if not info.sha:
+        raise HubUnavailable(f"the Hub gave no commit sha for {model_id}")
+    return ResolvedModel(
+        model_id=info.id or model_id,
+        sha=info.sha,
+        gated=bool(info.gated),
+        pipeline_tag=info.pipeline_tag,
+    )

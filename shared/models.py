@@ -1,0 +1,143 @@
+"""The SQL schema: jobs, their results, and the workers that run them."""
+
+from __future__ import annotations
+
+import datetime as dt
+from enum import StrEnum
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from shared.enums import ACTIVE_STATES, ErrorClass, JobState, Verdict
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class UTCDateTime(sa.TypeDecorator[dt.datetime]):
+    """Aware UTC datetimes on every database (SQLite drops the zone; we put it back)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: sa.Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(dt.UTC)
+
+    def process_result_value(self, value: dt.datetime | None, dialect: sa.Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+
+
+def enum_column(enum: type[StrEnum]) -> sa.Enum:
+    return sa.Enum(
+        enum,
+        native_enum=False,
+        length=max(len(m.value) for m in enum) + 4,
+        values_callable=lambda e: [m.value for m in e],
+        validate_strings=True,
+        name=enum.__name__.lower(),
+    )
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: dict[Any, Any] = {dt.datetime: UTCDateTime()}
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[str] = mapped_column(sa.String(200), index=True)
+    revision: Mapped[str | None] = mapped_column(sa.String(200))  # as requested
+    sha: Mapped[str] = mapped_column(sa.String(40))  # as resolved on the Hub
+    task: Mapped[str] = mapped_column(sa.String(64))
+    compiler_name: Mapped[str] = mapped_column(sa.String(32))
+    compiler_version: Mapped[str] = mapped_column(sa.String(100), index=True)
+    library: Mapped[str] = mapped_column(sa.String(64))
+    library_version: Mapped[str] = mapped_column(sa.String(64))
+    backend: Mapped[str] = mapped_column(sa.String(16))
+    cores: Mapped[int] = mapped_column(default=1)
+    queue: Mapped[str] = mapped_column(sa.String(200))
+    state: Mapped[JobState] = mapped_column(enum_column(JobState), default=JobState.queued, index=True)
+    attempts: Mapped[int] = mapped_column(default=0)
+    lease_owner: Mapped[str | None] = mapped_column(sa.String(200))
+    heartbeat_at: Mapped[dt.datetime | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[dt.datetime | None]
+    finished_at: Mapped[dt.datetime | None]
+    error_class: Mapped[ErrorClass | None] = mapped_column(enum_column(ErrorClass))
+    error_message: Mapped[str | None] = mapped_column(sa.Text)
+
+    result: Mapped[Result | None] = relationship(back_populates="job", uselist=False)
+
+    __table_args__ = (
+        # At most one queued or running job per identity: concurrent duplicate submissions
+        # cannot both insert. Finished jobs stay out of it so `force` can rerun them.
+        sa.Index(
+            "uq_jobs_active_identity",
+            "model_id",
+            "sha",
+            "compiler_version",
+            "library_version",
+            "task",
+            unique=True,
+            sqlite_where=sa.text(f"state IN {tuple(s.value for s in ACTIVE_STATES)}"),
+            postgresql_where=sa.text(f"state IN {tuple(s.value for s in ACTIVE_STATES)}"),
+        ),
+    )
+
+
+class Result(Base):
+    __tablename__ = "results"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    job_id: Mapped[int] = mapped_column(sa.ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
+    verdict: Mapped[Verdict] = mapped_column(enum_column(Verdict), index=True)
+    error_class: Mapped[ErrorClass | None] = mapped_column(enum_column(ErrorClass))
+    error_message: Mapped[str | None] = mapped_column(sa.Text)
+    cores: Mapped[int]
+    wall_s: Mapped[float | None]  # load + compile + generate, as the public table counts it
+    load_s: Mapped[float | None]
+    compile_s: Mapped[float | None]
+    generate_s: Mapped[float | None]
+    peak_memory_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
+    generated_token_ids: Mapped[list[int] | None] = mapped_column(sa.JSON)
+    reference_token_ids: Mapped[list[int] | None] = mapped_column(sa.JSON)
+    generated_text: Mapped[str | None] = mapped_column(sa.Text)
+    reference_text: Mapped[str | None] = mapped_column(sa.Text)
+    first_divergence: Mapped[int | None]
+    host: Mapped[str | None] = mapped_column(sa.String(200))
+    core_range: Mapped[str | None] = mapped_column(sa.String(32))
+    torch_version: Mapped[str | None] = mapped_column(sa.String(64))
+    library_version: Mapped[str | None] = mapped_column(sa.String(64))
+    compiler_version: Mapped[str | None] = mapped_column(sa.String(100))
+    reproduce: Mapped[str | None] = mapped_column(sa.Text)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    job: Mapped[Job] = relationship(back_populates="result")
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    name: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
+    host: Mapped[str] = mapped_column(sa.String(200))
+    pid: Mapped[int]
+    backend: Mapped[str] = mapped_column(sa.String(16))
+    compiler_name: Mapped[str] = mapped_column(sa.String(32))
+    compiler_version: Mapped[str] = mapped_column(sa.String(100))
+    library: Mapped[str] = mapped_column(sa.String(64))
+    library_version: Mapped[str] = mapped_column(sa.String(64))
+    torch_version: Mapped[str] = mapped_column(sa.String(64))
+    cores: Mapped[str] = mapped_column(sa.String(32))  # the core range it owns, e.g. "0-3"
+    core_count: Mapped[int]
+    queue: Mapped[str] = mapped_column(sa.String(200))
+    started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,22 @@
+"""Queue names, defined once. Jobs go to the queue of their compiler version and core-group size."""
+
+from __future__ import annotations
+
+import re
+
+EXPORT_QUEUE = "supportmatrix.export"
+JOB_QUEUE_PREFIX = "supportmatrix.jobs"
+
+RUN_JOB_TASK = "supportmatrix.run_job"
+EXPORT_TASK = "supportmatrix.export"
+
+
+def job_queue(backend: str, compiler_version: str, cores: int) -> str:
+    # Versions like "2.21.33363.0+6dfecc895" are safe Redis keys; anything odd is flattened anyway.
+    version = re.sub(r"[^A-Za-z0-9.+_-]", "_", compiler_version)
+    return f"{JOB_QUEUE_PREFIX}.{backend}.{version}.c{cores}"
+
+
+def celery_task_id(job_id: int) -> str:
+    """The broker message of a job carries a stable id, so the API can revoke it."""
+    return f"job-{job_id}"

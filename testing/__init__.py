@@ -1,0 +1,1 @@
+"""Test and demo support that needs no network: tiny checkpoints, a Hub stand-in, local services."""

@@ -1,0 +1,133 @@
+"""Build tiny random checkpoints locally: `python -m testing.tiny_models OUT_DIR`.
+
+Each is `save_pretrained` of a small config (hidden 64, 2 layers, 4 heads) with an offline byte-level BPE
+tokenizer trained by the `tokenizers` library, so that from_pretrained runs its real code on them.
+Weights are widened (std 0.1) so greedy decoding of a random model has few near-ties, and the saved
+generation config never stops early: every run generates its full 32 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ENGLISH = """\
+The history of the printing press begins in the fifteenth century, when movable type changed Europe.
+A quick brown fox jumps over the lazy dog while the farmer watches from the old wooden gate.
+Scientists measure the temperature of the ocean every morning and write the numbers in a book.
+Compilers turn programs into instructions that a machine can run quickly and correctly.
+The river flows past the village, the mill and the church before it reaches the sea.
+Children learn to read with stories about kings, dragons, ships and distant islands.
+In the spring the garden fills with flowers, bees and the sound of birds in the trees.
+Engineers test every model on many devices to see whether the answers stay the same.
+The library opens at nine, and students come to study mathematics, history and music.
+Trains leave the station every hour for the city, the mountains and the coast.
+"""
+
+VOCAB_SIZE = 512
+
+
+def build_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<|endoftext|>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([ENGLISH], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<pad>"
+    )
+
+
+def _dense(cls_name: str, **extra: Any) -> Callable[[], Any]:
+    def config() -> Any:
+        import transformers
+
+        return getattr(transformers, cls_name)(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+            **extra,
+        )
+
+    return config
+
+
+def _gpt2() -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=VOCAB_SIZE, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=0, eos_token_id=0
+    )
+
+
+# name → (config factory, model class name)
+MODELS: dict[str, tuple[Callable[[], Any], str]] = {
+    "tiny-llama": (_dense("LlamaConfig"), "LlamaForCausalLM"),
+    "tiny-qwen3": (_dense("Qwen3Config", head_dim=16), "Qwen3ForCausalLM"),
+    "tiny-gpt2": (_gpt2, "GPT2LMHeadModel"),
+}
+
+
+def build(out_dir: Path, names: list[str] | None = None) -> list[Path]:
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    built = []
+    for name in names or list(MODELS):
+        config_factory, class_name = MODELS[name]
+        target = out_dir / name
+        if (target / "config.json").exists():
+            built.append(target)
+            continue
+        torch.manual_seed(0)
+        model = getattr(transformers, class_name)(config_factory())
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param.dim() >= 2:
+                    std = (
+                        0.2
+                        if ("embed" in param_name or "wte" in param_name or "lm_head" in param_name)
+                        else 0.1
+                    )
+                    param.normal_(0.0, std)
+        model.generation_config = GenerationConfig(
+            do_sample=False, eos_token_id=None, bos_token_id=None, pad_token_id=tokenizer.pad_token_id
+        )
+        tmp = out_dir / f".{name}.tmp"
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(target)
+        built.append(target)
+    return built
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m testing.tiny_models", description=__doc__)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--only", nargs="*", choices=sorted(MODELS))
+    args = parser.parse_args(argv)
+    for path in build(args.out_dir, args.only):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

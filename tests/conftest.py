@@ -1,0 +1,220 @@
+"""Real services for the suite: Redis (its own db number), PostgreSQL (its own schema), the Hub stand-in,
+tiny checkpoints, and a real worker process. Started here when they do not answer, stopped after.
+
+The environment is set before anything imports huggingface_hub (it reads HF_ENDPOINT at import) or
+reads the settings.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testing.services import Started, ensure_postgres, ensure_redis, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_DIR = Path(tempfile.mkdtemp(prefix="supportmatrix-tests-"))
+HUB_PORT = free_port()
+SCHEMA = f"test_{uuid.uuid4().hex[:12]}"
+PG_BASE = os.environ.get("SUPPORTMATRIX_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_BASE = os.environ.get("SUPPORTMATRIX_TEST_REDIS", "redis://127.0.0.1:6379")
+COMPILE_BACKEND = "aot_eager"  # 5-7 s instead of 40-60 s for inductor; one test runs inductor
+
+
+def pg_url(schema: str) -> str:
+    return f"{PG_BASE}?options=-csearch_path%3D{schema}"
+
+
+for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
+    os.environ.pop(name, None)
+os.environ.update(
+    {
+        "HF_ENDPOINT": f"http://127.0.0.1:{HUB_PORT}",
+        "HF_HOME": str(RUN_DIR / "hf-home"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_HUB_DISABLE_XET": "1",
+        "SUPPORTMATRIX_DATA_DIR": str(RUN_DIR / "data"),
+        "SUPPORTMATRIX_DATABASE_URL": pg_url(SCHEMA),
+        "SUPPORTMATRIX_CPU_COMPILE_BACKEND": COMPILE_BACKEND,
+        "SUPPORTMATRIX_HEARTBEAT_INTERVAL_S": "1",
+        "SUPPORTMATRIX_LEASE_TIMEOUT_S": "30",
+        "SUPPORTMATRIX_WORKER_STALE_S": "15",
+        "SUPPORTMATRIX_JOB_TIMEOUT_S": "600",
+    }
+)
+
+_started = Started()
+
+
+def _pick_redis_db() -> str:
+    import redis
+
+    for db in range(15, 0, -1):
+        client = redis.Redis.from_url(f"{REDIS_BASE}/{db}")
+        # SET NX claims the db for this run; an empty db with our claim is ours alone.
+        if client.dbsize() == 0 and client.set("supportmatrix:test-claim", str(os.getpid()), nx=True):
+            return f"{REDIS_BASE}/{db}"
+    raise RuntimeError("no free Redis db number in 1..15")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    ensure_redis(f"{REDIS_BASE}/0", _started)
+    ensure_postgres(PG_BASE, _started)
+    os.environ["SUPPORTMATRIX_REDIS_URL"] = _pick_redis_db()
+    import psycopg
+
+    with psycopg.connect(PG_BASE.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {SCHEMA}")
+    from shared.migrate import upgrade
+
+    upgrade()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import psycopg
+    import redis
+
+    from shared.db import get_engine
+
+    get_engine().dispose()
+    with psycopg.connect(PG_BASE.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE")
+    redis.Redis.from_url(os.environ["SUPPORTMATRIX_REDIS_URL"]).flushdb()
+    _started.stop()
+    shutil.rmtree(RUN_DIR, ignore_errors=True)
+
+
+# --- checkpoints and the Hub ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> Path:
+    from testing.tiny_models import build
+
+    out = RUN_DIR / "models"
+    build(out)
+    broken = out / "tiny-broken"
+    shutil.copytree(out / "tiny-llama", broken)
+    (broken / "model.safetensors").write_bytes(b"\x00" * 64)  # not a safetensors file: load fails
+    return out
+
+
+@pytest.fixture(scope="session")
+def hub(tiny_models: Path) -> Iterator[Any]:
+    from testing.hub_standin import HubStandin
+
+    standin = HubStandin(port=HUB_PORT)
+    standin.add_dir(tiny_models, org="org")
+    standin.start()
+    yield standin
+    standin.stop()
+
+
+@pytest.fixture(scope="session")
+def api(hub: Any) -> Iterator[Any]:
+    from fastapi.testclient import TestClient
+
+    from services.api.main import app
+
+    with TestClient(app) as client:
+        yield client
+
+
+# --- a real worker process -----------------------------------------------------------------------------
+
+
+class WorkerProcess:
+    def __init__(self, name: str, env: dict[str, str]) -> None:
+        self.name = name
+        self.log = RUN_DIR / f"{name}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.worker", "--name", name, "--loglevel", "INFO"],
+            cwd=ROOT,
+            env={**os.environ, **env},
+            stdout=self.log.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.wait_registered()
+
+    def wait_registered(self, timeout: float = 120) -> None:
+        import sqlalchemy as sa
+
+        from shared.db import new_session
+        from shared.models import Worker
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited:\n{self.log.read_text()[-3000:]}")
+            with new_session() as session:
+                if session.scalar(sa.select(Worker).where(Worker.name.startswith(f"{self.name}@"))):
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"worker {self.name} did not register:\n{self.log.read_text()[-3000:]}")
+
+    def runner_processes(self, model_id: str) -> list[Any]:
+        import psutil
+
+        found = []
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                cmd = child.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            if cmd[1:4] == ["-m", "services.worker.runner", model_id]:
+                found.append(child)
+        return found
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def worker(hub: Any) -> Iterator[WorkerProcess]:
+    proc = WorkerProcess("w-main", {})
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def start_worker(hub: Any) -> Iterator[Any]:
+    started: list[WorkerProcess] = []
+
+    def start(name: str, **env: str) -> WorkerProcess:
+        proc = WorkerProcess(name, env)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+def wait_for_job(api: Any, job_id: int, states: set[str], timeout: float = 180) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        job = api.get(f"/jobs/{job_id}").json()
+        if job["state"] in states:
+            return job
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} not in {states} after {timeout} s: {job}")
