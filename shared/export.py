@@ -39,10 +39,7 @@ def latest_per_cell(records: list[dict[str, Any]]) -> dict[str, list[dict[str, A
     for rec in records:
         name = file_name(rec["neuronx_cc"], rec["library"], rec["library_version"])
         files.setdefault(name, {}).setdefault((rec["model_id"], rec["task"]), rec)
-    return {
-        name: sorted(cells.values(), key=lambda r: (r["model_id"], r["task"]))
-        for name, cells in files.items()
-    }
+    return {name: sorted(cells.values(), key=lambda r: (r["model_id"], r["task"])) for name, cells in files.items()}
 
 
 def export_results(session: Session, export_dir: Path) -> ExportSummary:

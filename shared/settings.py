@@ -21,9 +21,7 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     backend: BackendName = "cpu"
     export_dir: Path | None = Field(None, description="Parquet export root; default data_dir/export.")
-    cache_dir: Path | None = Field(
-        None, description="Compile caches (inductor, NEFF); default data_dir/cache."
-    )
+    cache_dir: Path | None = Field(None, description="Compile caches (inductor, NEFF); default data_dir/cache.")
 
     # What the cpu backend hands to torch.compile; tests may pick the cheaper "aot_eager".
     cpu_compile_backend: str = "inductor"
@@ -32,9 +30,7 @@ class Settings(BaseSettings):
 
     job_timeout_s: float = Field(3600.0, gt=0, description="Hard limit on one runner process.")
     heartbeat_interval_s: float = Field(5.0, gt=0)
-    lease_timeout_s: float = Field(
-        120.0, gt=0, description="A running job whose heartbeat is older is stale."
-    )
+    lease_timeout_s: float = Field(120.0, gt=0, description="A running job whose heartbeat is older is stale.")
     max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it ends ERROR(worker_lost).")
     worker_stale_s: float = Field(60.0, gt=0, description="A worker whose heartbeat is older is not live.")
 

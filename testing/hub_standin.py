@@ -93,10 +93,13 @@ class Repo:
         for f in files:
             if not f.path.endswith(".safetensors"):
                 continue
+            try:
+                with (self.root / f.path).open("rb") as fh:
+                    (n,) = struct.unpack("<Q", fh.read(8))
+                    header = json.loads(fh.read(n))
+            except (OSError, ValueError, struct.error):
+                continue  # like the Hub: a file it cannot parse adds no metadata
             found = True
-            with (self.root / f.path).open("rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
             for name, tensor in header.items():
                 if name == "__metadata__":
                     continue

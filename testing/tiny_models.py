@@ -102,11 +102,7 @@ def build(out_dir: Path, names: list[str] | None = None) -> list[Path]:
         with torch.no_grad():
             for param_name, param in model.named_parameters():
                 if param.dim() >= 2:
-                    std = (
-                        0.2
-                        if ("embed" in param_name or "wte" in param_name or "lm_head" in param_name)
-                        else 0.1
-                    )
+                    std = 0.2 if ("embed" in param_name or "wte" in param_name or "lm_head" in param_name) else 0.1
                     param.normal_(0.0, std)
         model.generation_config = GenerationConfig(
             do_sample=False, eos_token_id=None, bos_token_id=None, pad_token_id=tokenizer.pad_token_id

@@ -53,8 +53,11 @@ def test_submitted_model_ends_in_a_pass_row_exported_to_parquet(api: Any, worker
     assert row["wall_s"] >= row["load_s"] > 0 and row["compile_s"] > 0 and row["generate_s"] > 0
     assert row["peak_memory_bytes"] > 100 * 2**20  # VmHWM of a process that imported torch
     assert row["reproduce"] == (
+        "SUPPORTMATRIX_CPU_COMPILE_BACKEND=aot_eager "
         f"python -m services.worker.runner org/tiny-llama --revision {job['sha']} --backend cpu"
     )
+    [live] = [w for w in api.get("/workers").json() if w["name"].startswith("w-main@")]
+    assert live["compiler_version"] == row["neuronx_cc"] and live["queue"] == job["queue"]
     assert row["torch_version"].startswith("2.13.0") and row["host"]
 
     # The worker asks the collector for an export after each result; the seed query reads it verbatim.
@@ -68,9 +71,7 @@ def test_submitted_model_ends_in_a_pass_row_exported_to_parquet(api: Any, worker
 
     export_once()
     df = pd.read_parquet(f"{export}/data")
-    seed = df[df.model_id == "org/tiny-llama"][
-        ["neuronx_cc", "library", "library_version", "neuron_cores", "result"]
-    ]
+    seed = df[df.model_id == "org/tiny-llama"][["neuronx_cc", "library", "library_version", "neuron_cores", "result"]]
     assert seed.to_dict("records") == [
         {
             "neuronx_cc": "aot_eager-2.13.0+cpu",

@@ -118,3 +118,21 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         503: "A dependency (Hub, database, broker) is unavailable",
     }
     return {s: {"model": ErrorBody, "description": reasons[s]} for s in statuses}
+
+
+class WorkerOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    host: str
+    backend: str
+    compiler_name: str
+    compiler_version: str
+    library: str
+    library_version: str
+    torch_version: str
+    cores: str
+    core_count: int
+    queue: str
+    started_at: dt.datetime
+    heartbeat_at: dt.datetime

@@ -18,9 +18,7 @@ def export_once() -> None:
     settings = get_settings()
     with session_scope() as session:
         summary = export_results(session, settings.export_path)
-    print(
-        f"{summary.data_dir}: {len(summary.written)} written, {len(summary.unchanged)} unchanged", flush=True
-    )
+    print(f"{summary.data_dir}: {len(summary.written)} written, {len(summary.unchanged)} unchanged", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,6 +83,4 @@ def stop() -> None:
         return
     _thread.join(timeout=5)
     with session_scope() as session:
-        session.execute(
-            sa.delete(Worker).where(Worker.pid == os.getpid(), Worker.host == socket.gethostname())
-        )
+        session.execute(sa.delete(Worker).where(Worker.pid == os.getpid(), Worker.host == socket.gethostname()))

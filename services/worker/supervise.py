@@ -111,9 +111,7 @@ def supervise(
         report = RunReport.model_validate_json(report_path.read_text())
     except (OSError, ValidationError) as exc:
         tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        message = (
-            f"runner {describe_exit(returncode)} without a report ({type(exc).__name__}); output:\n{tail}"
-        )
+        message = f"runner {describe_exit(returncode)} without a report ({type(exc).__name__}); output:\n{tail}"
         return error_report(job, ErrorClass.crash, message, core_range)
     report.cores = job.cores
     return report

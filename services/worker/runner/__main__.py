@@ -3,7 +3,7 @@
 MODEL is a Hub id (downloaded through huggingface_hub, honouring HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE)
 or a local checkpoint directory. The CPU reference and the accelerator run each happen in a child process;
 this process only downloads, launches, compares and reports. The report is one JSON object on the last
-line of stdout (and in --report PATH). Exit status: 0 PASS, 1 FAIL, 2 ERROR or SKIPPED, 64 bad usage.
+line of stdout (and in --report PATH). Exit status: 0 PASS, 1 FAIL, 2 bad usage, 3 ERROR or SKIPPED.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.worker.runner.backends import BACKENDS, get_backend
+from services.worker.runner.backends import BACKENDS, Backend, get_backend
 from services.worker.runner.download import download
 from services.worker.runner.failures import RunFailure
 from services.worker.runner.launch import run_child
@@ -24,7 +24,7 @@ from shared.enums import ErrorClass, Task, Verdict
 from shared.runtime import RunReport, RuntimeInfo
 from shared.settings import get_settings
 
-EXIT_CODES = {Verdict.PASS: 0, Verdict.FAIL: 1, Verdict.ERROR: 2, Verdict.SKIPPED: 2}
+EXIT_CODES = {Verdict.PASS: 0, Verdict.FAIL: 1, Verdict.ERROR: 3, Verdict.SKIPPED: 3}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,20 +36,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--core-range", help="the cores this run is pinned to, recorded as provenance")
     parser.add_argument("--timeout", type=float, help="seconds per child process (default: the job timeout)")
     parser.add_argument("--report", type=Path, help="also write the JSON report to this file")
-    parser.add_argument(
-        "--describe", action="store_true", help="print the backend's runtime versions and exit"
-    )
+    parser.add_argument("--describe", action="store_true", help="print the backend's runtime versions and exit")
     args = parser.parse_args(argv)
     if not args.describe and not args.model:
         parser.error("MODEL is required")
     return args
 
 
-def reproduce_command(model_id: str, sha: str | None, backend: str, task: str) -> str:
-    parts = ["python", "-m", "services.worker.runner", model_id]
+def reproduce_command(model_id: str, sha: str | None, backend: Backend, task: str) -> str:
+    parts = [f"{k}={v}" for k, v in sorted(backend.reproduce_env().items())]
+    parts += ["python", "-m", "services.worker.runner", model_id]
     if sha:
         parts += ["--revision", sha]
-    parts += ["--backend", backend]
+    parts += ["--backend", backend.name]
     if task != Task.text_generation.value:
         parts += ["--task", task]
     return shlex.join(parts)
@@ -78,18 +77,14 @@ def run(args: argparse.Namespace) -> RunReport:
     try:
         checkpoint = download(args.model, args.revision)
         report.sha = checkpoint.sha
-        report.reproduce = reproduce_command(args.model, checkpoint.sha, backend.name, args.task)
+        report.reproduce = reproduce_command(args.model, checkpoint.sha, backend, args.task)
         runs_dir = settings.data_dir / "runs"
         runs_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="run-", dir=runs_dir) as tmp:
             workdir = Path(tmp)
             common = {"backend": backend.name, "task": args.task, "model_dir": str(checkpoint.path)}
-            reference = run_child(
-                {**common, "role": "reference"}, backend.reference_env(), timeout_s, workdir
-            )
-            accelerator = run_child(
-                {**common, "role": "accelerator"}, backend.accelerator_env(), timeout_s, workdir
-            )
+            reference = run_child({**common, "role": "reference"}, backend.reference_env(), timeout_s, workdir)
+            accelerator = run_child({**common, "role": "accelerator"}, backend.accelerator_env(), timeout_s, workdir)
     except RunFailure as failure:
         report.error_class = failure.error_class
         report.error_message = failure.message

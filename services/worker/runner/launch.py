@@ -42,9 +42,7 @@ def run_child(spec: dict[str, Any], env: dict[str, str], timeout_s: float, workd
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill(proc)
-            raise RunFailure(
-                ErrorClass.timeout, f"{role} run exceeded {timeout_s:.0f} s and was killed"
-            ) from None
+            raise RunFailure(ErrorClass.timeout, f"{role} run exceeded {timeout_s:.0f} s and was killed") from None
         finally:
             if proc.poll() is None:  # interrupted while waiting: take the child down with us
                 _kill(proc)
@@ -54,9 +52,7 @@ def run_child(spec: dict[str, Any], env: dict[str, str], timeout_s: float, workd
         raise RunFailure(ErrorClass.crash, f"{role} process {describe_exit(returncode)}; output:\n{tail}")
     outcome = json.loads(out.read_text())
     if not outcome["ok"]:
-        raise RunFailure(
-            ErrorClass(outcome["error_class"]), f"{role}: {outcome['message']}", outcome["traceback"]
-        )
+        raise RunFailure(ErrorClass(outcome["error_class"]), f"{role}: {outcome['message']}", outcome["traceback"])
     return outcome["data"]
 
 

@@ -19,6 +19,10 @@ class Backend(ABC):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
+    def reproduce_env(self) -> dict[str, str]:
+        """Settings that changed what ran, as they must prefix the reproduce command."""
+        return {}
+
     def reference_env(self) -> dict[str, str]:
         """Environment of the CPU-reference process (eager, on the CPU)."""
         return {}

@@ -19,6 +19,11 @@ class CpuBackend(Backend):
     def compile_backend(self) -> str:
         return self.settings.cpu_compile_backend
 
+    def reproduce_env(self) -> dict[str, str]:
+        if self.compile_backend == "inductor":
+            return {}
+        return {"SUPPORTMATRIX_CPU_COMPILE_BACKEND": self.compile_backend}
+
     def accelerator_env(self) -> dict[str, str]:
         inductor = self.settings.cache_path / "inductor"
         # Inductor writes precompiled headers under TMPDIR whatever its cache dir says: keep both together.

@@ -1,0 +1,203 @@
+"""The main job on embedded defaults, end to end on real parts (`bash scripts/demo.sh`).
+
+Uses the Redis that answers at the configured URL or starts one, SQLite under .data/demo, starts the API
+(uvicorn), one job worker and a collector, builds tiny checkpoints and serves them through the local Hub
+stand-in, submits them with POST /jobs, shows progress, prints the results table and the Parquet path,
+then stops everything it started. Exit status 0 when every model ends PASS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from testing.services import Started, ensure_redis, free_port  # noqa: E402
+
+FINISHED = {"done", "failed", "cancelled"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data-dir", type=Path, default=ROOT / ".data" / "demo")
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="what the cpu backend gives torch.compile; aot_eager skips C++ codegen (~5 s instead of ~45 s)",
+    )
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds to wait for all results")
+    args = parser.parse_args(argv)
+
+    data_dir = args.data_dir.resolve()
+    shutil.rmtree(data_dir, ignore_errors=True)
+    data_dir.mkdir(parents=True)
+    hub_port, api_port = free_port(), free_port()
+    # Before anything imports huggingface_hub: it reads HF_ENDPOINT once, at import.
+    os.environ.update(
+        {
+            "SUPPORTMATRIX_DATA_DIR": str(data_dir),
+            "SUPPORTMATRIX_CPU_COMPILE_BACKEND": args.compile_backend,
+            "HF_ENDPOINT": f"http://127.0.0.1:{hub_port}",
+            "HF_HOME": str(data_dir / "hf-home"),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        }
+    )
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
+        os.environ.pop(name, None)
+
+    from shared.settings import get_settings
+
+    settings = get_settings()
+    started = Started()
+    try:
+        step(f"Redis at {settings.redis_url}")
+        ensure_redis(settings.redis_url, started)
+        step(f"SQLite at {settings.database_url}: migrating")
+        from shared.migrate import upgrade
+
+        upgrade()
+
+        step("building tiny checkpoints")
+        from testing.hub_standin import HubStandin
+        from testing.tiny_models import MODELS, build
+
+        build(data_dir / "models")
+        hub = HubStandin(port=hub_port)
+        hub.add_dir(data_dir / "models", org="demo")
+        hub.start()
+        step(f"Hub stand-in at {hub.url} serving {', '.join('demo/' + m for m in MODELS)}")
+
+        logs = data_dir / "logs"
+        logs.mkdir()
+        started.processes += [
+            spawn(logs / "api.log", "-m", "uvicorn", "services.api.main:app", "--port", str(api_port)),
+            spawn(logs / "worker.log", "-m", "services.worker", "--name", "demo-worker"),
+            spawn(
+                logs / "collector.log", "-m", "celery", "-A", "services.worker.celery_app:app", "worker",
+                "--queues", "supportmatrix.export", "--pool", "solo", "--hostname", "demo-collector@%h",
+            ),
+        ]  # fmt: skip
+        api = f"http://127.0.0.1:{api_port}"
+        wait_until(lambda: get(api, "/healthz", ok=True), 60, "the API to answer /healthz")
+        step(f"API at {api}")
+        wait_until(lambda: get(api, "/workers"), 300, "the worker to register")
+        worker = get(api, "/workers")[0]
+        step(f"worker {worker['name']} serves {worker['compiler_version']}, transformers {worker['library_version']}")
+
+        ids = {}
+        for model in MODELS:
+            response = post(api, "/jobs", {"model_id": f"demo/{model}"})
+            ids[f"demo/{model}"] = response["jobs"][0]["id"]
+        step(f"submitted {len(ids)} jobs; waiting (logs in {logs})")
+        states = follow(api, ids, args.timeout, time.monotonic())
+
+        rows = get(api, "/results", params={"compiler": worker["compiler_version"]})["items"]
+        export = settings.export_path / "data"
+        wait_until(lambda: len(parquet_rows(export)) >= len(rows), 60, "the collector's Parquet export")
+        print_table(rows)
+        step(f"Parquet: {export}")
+        import pandas as pd
+
+        df = pd.read_parquet(export)
+        seed = df[df.model_id == "demo/tiny-llama"][
+            ["neuronx_cc", "library", "library_version", "neuron_cores", "result"]
+        ]
+        print(f'    df = pd.read_parquet("{export}")')
+        print('    df[df.model_id == "demo/tiny-llama"][["neuronx_cc", "library", "library_version", '
+              '"neuron_cores", "result"]]')  # fmt: skip
+        print("    " + seed.to_string(index=False).replace("\n", "\n    "))
+        passed = all(states[m] == "done" for m in ids) and all(r["result"] == "PASS" for r in rows)
+        step("every model PASS" if passed else "not every model passed: see the table and the logs")
+        return 0 if passed else 1
+    finally:
+        step("stopping what the demo started")
+        started.stop()
+
+
+def step(message: str) -> None:
+    print(f"==> {message}", flush=True)
+
+
+def spawn(log: Path, *args: str) -> subprocess.Popen[bytes]:
+    # The children inherit os.environ as main() set it: data dir, Hub endpoint, compile backend.
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def get(api: str, path: str, params: dict[str, Any] | None = None, ok: bool = False) -> Any:
+    import httpx
+
+    try:
+        response = httpx.get(api + path, params=params, timeout=10)
+    except httpx.HTTPError:
+        return None
+    if ok:
+        return response.status_code == 200
+    response.raise_for_status()
+    return response.json()
+
+
+def post(api: str, path: str, body: dict[str, Any]) -> Any:
+    import httpx
+
+    response = httpx.post(api + path, json=body, timeout=60)
+    if response.status_code >= 400:
+        raise SystemExit(f"POST {path} {body} → {response.status_code}: {response.text}")
+    return response.json()
+
+
+def wait_until(check: Any, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"gave up waiting for {what} after {seconds:.0f} s")
+
+
+def follow(api: str, ids: dict[str, int], timeout: float, start: float) -> dict[str, str]:
+    """Print each job's state changes until all have finished."""
+    states: dict[str, str] = {}
+    while time.monotonic() - start < timeout:
+        for model, job_id in ids.items():
+            job = get(api, f"/jobs/{job_id}")
+            if job and job["state"] != states.get(model):
+                states[model] = job["state"]
+                extra = f" ({job['error_class']}: {job['error_message'][:200]})" if job["error_class"] else ""
+                print(f"    [{time.monotonic() - start:6.1f} s] {model}: {job['state']}{extra}", flush=True)
+        if all(states.get(m) in FINISHED for m in ids):
+            return states
+        time.sleep(1)
+    raise SystemExit(f"jobs still unfinished after {timeout:.0f} s: {states}")
+
+
+def parquet_rows(export: Path) -> Any:
+    import pandas as pd
+
+    if not any(export.glob("*.parquet")):
+        return pd.DataFrame()
+    df = pd.read_parquet(export)
+    return df[["model_id", "neuronx_cc", "library", "library_version", "neuron_cores", "result"]]
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"    {'model':<20} {'result':<7} {'cores':>5} {'wall s':>7} {'compile s':>9} {'peak MiB':>8}  compiler")
+    for r in sorted(rows, key=lambda r: r["model_id"]):
+        peak = (r["peak_memory_bytes"] or 0) / 2**20
+        print(
+            f"    {r['model_id']:<20} {r['result']:<7} {r['neuron_cores']:>5} {r['wall_s'] or 0:>7.1f} "
+            f"{r['compile_s'] or 0:>9.1f} {peak:>8.0f}  {r['neuronx_cc']}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

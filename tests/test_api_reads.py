@@ -1,0 +1,117 @@
+"""Reading through the API: jobs and results pages, CSV and Parquet, health, metrics, the OpenAPI schema."""
+
+from __future__ import annotations
+
+import io
+import uuid
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from shared import jobs
+from shared.db import session_scope
+from shared.enums import Verdict
+from shared.hub import ResolvedModel
+from shared.runtime import RunReport, RuntimeInfo
+from shared.settings import Settings, get_settings
+
+RUNTIME = RuntimeInfo(
+    backend="cpu", compiler_name="c", compiler_version="reads-1.0", library_version="5.0", torch_version="2"
+)
+
+
+@pytest.fixture(scope="module")
+def org() -> str:
+    """Five finished jobs of a fresh org: three PASS, two FAIL."""
+    org = f"reads{uuid.uuid4().hex[:8]}"
+    with session_scope() as session:
+        for i, verdict in enumerate([Verdict.PASS, Verdict.FAIL, Verdict.PASS, Verdict.FAIL, Verdict.PASS]):
+            model = ResolvedModel(model_id=f"{org}/m{i}", sha=f"{i:040d}", gated=False, pipeline_tag=None)
+            [sub] = jobs.submit(session, model, None, [RUNTIME])
+            session.flush()
+            jobs.acquire_lease(session, sub.job.id, "reader", get_settings())
+            jobs.finish(
+                session,
+                sub.job.id,
+                "reader",
+                RunReport(model_id=model.model_id, task="text-generation", backend="cpu", verdict=verdict),
+            )
+    return org
+
+
+def test_results_page_with_a_cursor_and_filters(api: Any, org: str) -> None:
+    first = api.get("/results", params={"compiler": "reads-1.0", "limit": 2}).json()
+    assert len(first["items"]) == 2 and first["next_cursor"]
+    second = api.get("/results", params={"compiler": "reads-1.0", "limit": 2, "cursor": first["next_cursor"]})
+    ids = [r["job_id"] for r in first["items"] + second.json()["items"]]
+    assert ids == sorted(ids, reverse=True) and len(set(ids)) == 4
+    fails = api.get("/results", params={"compiler": "reads-1.0", "verdict": "FAIL"}).json()["items"]
+    assert {r["model_id"] for r in fails} == {f"{org}/m1", f"{org}/m3"}
+    assert api.get("/results", params={"model_id": f"{org}/m0"}).json()["items"][0]["result"] == "PASS"
+
+
+def test_results_as_csv_and_parquet_for_downstream_tools(api: Any, org: str) -> None:
+    csv = api.get("/results", params={"compiler": "reads-1.0", "format": "csv"})
+    assert csv.status_code == 200 and csv.headers["content-type"].startswith("text/csv")
+    table = pd.read_csv(io.StringIO(csv.text))
+    assert sorted(table.model_id) == [f"{org}/m{i}" for i in range(5)]
+    parquet = api.get("/results", params={"compiler": "reads-1.0", "format": "parquet", "limit": 3})
+    frame = pd.read_parquet(io.BytesIO(parquet.content))
+    assert len(frame) == 3 and parquet.headers["x-next-cursor"] == str(frame.job_id.iloc[-1])
+    assert list(frame.columns[:6]) == ["model_id", "neuronx_cc", "library", "library_version", "neuron_cores", "result"]
+
+
+def test_jobs_page_and_filters(api: Any, org: str) -> None:
+    page = api.get("/jobs", params={"model_id": f"{org}/m2"}).json()
+    assert [j["model_id"] for j in page["items"]] == [f"{org}/m2"] and page["next_cursor"] is None
+    done = api.get("/jobs", params={"state": "done", "limit": 1}).json()
+    assert done["items"][0]["state"] == "done" and done["next_cursor"]
+    assert api.get("/jobs/424242").status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("path", "params"),
+    [
+        ("/jobs", {"state": "sleeping"}),
+        ("/jobs", {"limit": 0}),
+        ("/jobs", {"cursor": "abc"}),
+        ("/jobs", {"model_id": "bad\u0000id"}),
+        ("/results", {"verdict": "MAYBE"}),
+        ("/results", {"format": "xlsx"}),
+        ("/results", {"limit": 10**9}),
+        ("/jobs/not-a-number", {}),
+    ],
+)
+def test_bad_query_parameters_get_a_422_with_a_reason(api: Any, path: str, params: dict[str, Any]) -> None:
+    response = api.get(path, params=params)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["msg"]
+
+
+def test_health_says_which_dependency_is_down(api: Any) -> None:
+    ok = api.get("/healthz")
+    assert ok.status_code == 200 and ok.json() == {"database": "ok", "redis": "ok"}
+    app = api.app
+    broken = Settings(redis_url="redis://127.0.0.1:1/0")
+    app.dependency_overrides[get_settings] = lambda: broken
+    try:
+        down = api.get("/healthz")
+    finally:
+        app.dependency_overrides.clear()
+    assert down.status_code == 503 and down.json()["database"] == "ok" and "Error" in down.json()["redis"]
+
+
+def test_metrics_count_jobs_and_results_with_the_shared_codes(api: Any, org: str) -> None:
+    text = api.get("/metrics").text
+    assert 'supportmatrix_jobs{state="done"}' in text
+    assert 'supportmatrix_results{error_class="",verdict="FAIL"}' in text
+
+
+def test_openapi_documents_every_status_each_route_returns(api: Any) -> None:
+    paths = api.get("/openapi.json").json()["paths"]
+    assert set(paths["/jobs"]["post"]["responses"]) == {"200", "202", "404", "413", "422", "503"}
+    assert set(paths["/jobs/{job_id}"]["delete"]["responses"]) == {"200", "404", "409", "422"}
+    assert set(paths["/results"]["get"]["responses"]) == {"200", "422"}
+    assert set(paths["/healthz"]["get"]["responses"]) == {"200", "503"}
+    assert "pattern" in str(paths["/jobs"]["get"]["parameters"])

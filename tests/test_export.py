@@ -1,0 +1,99 @@
+"""The collector's Parquet export: the public dataset's columns, the seed query, atomic and lazy writes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from sqlalchemy.orm import Session
+
+from shared import jobs
+from shared.db import make_engine
+from shared.enums import ErrorClass, Verdict
+from shared.export import export_results
+from shared.hub import ResolvedModel
+from shared.migrate import upgrade
+from shared.records import COLUMNS
+from shared.runtime import RunReport, RuntimeInfo
+from shared.settings import Settings
+
+PUBLIC = ["model_id", "neuronx_cc", "library", "library_version", "neuron_cores", "result"]
+
+
+def runtime(compiler: str, library: str) -> RuntimeInfo:
+    return RuntimeInfo(
+        backend="neuron",
+        compiler_name="neuronx-cc",
+        compiler_version=compiler,
+        library_version=library,
+        torch_version="2.13.0",
+    )
+
+
+@pytest.fixture
+def session(tmp_path: Path) -> Iterator[Session]:
+    url = f"sqlite:///{tmp_path / 'export.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    with Session(engine, expire_on_commit=False) as s:
+        yield s
+    engine.dispose()
+
+
+def record(session: Session, model: str, rt: RuntimeInfo, verdict: Verdict, force: bool = False) -> None:
+    settings = Settings()
+    resolved = ResolvedModel(model_id=model, sha="b" * 40, gated=False, pipeline_tag=None)
+    [sub] = jobs.submit(session, resolved, None, [rt], force=force)
+    jobs.acquire_lease(session, sub.job.id, "w", settings)
+    error = ErrorClass.compile if verdict == Verdict.ERROR else None
+    jobs.finish(
+        session,
+        sub.job.id,
+        "w",
+        RunReport(model_id=model, task="text-generation", backend="neuron", verdict=verdict, error_class=error,
+                  cores=2, wall_s=12.5, peak_memory_bytes=3 << 30),
+    )  # fmt: skip
+    session.commit()
+
+
+def test_one_file_per_compiler_and_library_version_read_by_the_seed_query(session: Session, tmp_path: Path) -> None:
+    a, b = runtime("2.21.33363.0+6dfecc895", "5.24.0"), runtime("2.22.1.0+abc", "5.24.0")
+    record(session, "Qwen/Qwen3-0.6B", a, Verdict.PASS)
+    record(session, "Qwen/Qwen3-0.6B", b, Verdict.ERROR)
+    record(session, "meta-llama/Llama-3.2-1B", a, Verdict.FAIL)
+    summary = export_results(session, tmp_path / "export")
+    names = sorted(p.name for p in summary.written)
+    assert names == [
+        "2.21.33363.0+6dfecc895--transformers-5.24.0.parquet",
+        "2.22.1.0+abc--transformers-5.24.0.parquet",
+    ]
+
+    df = pd.read_parquet(f"{tmp_path / 'export'}/data")
+    assert list(df.columns) == COLUMNS and COLUMNS[:6] == PUBLIC
+    seed = df[df.model_id == "Qwen/Qwen3-0.6B"][["neuronx_cc", "library", "library_version", "neuron_cores", "result"]]
+    assert sorted(seed.itertuples(index=False, name=None)) == [
+        ("2.21.33363.0+6dfecc895", "transformers", "5.24.0", 2, "PASS"),
+        ("2.22.1.0+abc", "transformers", "5.24.0", 2, "ERROR"),
+    ]
+
+
+def test_files_are_rewritten_only_when_their_rows_change(session: Session, tmp_path: Path) -> None:
+    a, b = runtime("2.21.0+x", "5.24.0"), runtime("2.21.0+x", "5.25.0")
+    record(session, "org/one", a, Verdict.PASS)
+    record(session, "org/two", b, Verdict.PASS)
+    export = tmp_path / "export"
+    first = export_results(session, export)
+    stamps = {p: p.stat().st_mtime_ns for p in first.written}
+
+    second = export_results(session, export)
+    assert second.written == [] and sorted(second.unchanged) == sorted(first.written)
+    assert {p: p.stat().st_mtime_ns for p in second.unchanged} == stamps
+
+    record(session, "org/one", a, Verdict.FAIL, force=True)  # a rerun: the newest result wins
+    third = export_results(session, export)
+    [changed] = third.written
+    assert changed.name.startswith("2.21.0+x--transformers-5.24.0")
+    assert pd.read_parquet(changed).result.tolist() == ["FAIL"]
+    assert sorted(p.name for p in (export / "data").iterdir()) == sorted(p.name for p in first.written)

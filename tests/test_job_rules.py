@@ -1,0 +1,135 @@
+"""Job rules on a real database (SQLite here; the pipeline tests run them on PostgreSQL)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from shared import jobs
+from shared.db import make_engine
+from shared.enums import ErrorClass, JobState, Verdict
+from shared.hub import ResolvedModel
+from shared.migrate import upgrade
+from shared.models import Job, Result, Worker, utcnow
+from shared.runtime import RunReport, RuntimeInfo
+from shared.settings import Settings
+
+RUNTIME = RuntimeInfo(
+    backend="cpu",
+    compiler_name="inductor",
+    compiler_version="inductor-2.13.0+cpu",
+    library_version="5.24.0",
+    torch_version="2.13.0+cpu",
+)
+MODEL = ResolvedModel(model_id="org/m", sha="a" * 40, gated=False, pipeline_tag="text-generation")
+
+
+@pytest.fixture
+def session(tmp_path: Path) -> Iterator[Session]:
+    url = f"sqlite:///{tmp_path / 'rules.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    with Session(engine, expire_on_commit=False) as s:
+        yield s
+    engine.dispose()
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(data_dir=tmp_path, max_attempts=2, lease_timeout_s=30, default_compiler=None)
+
+
+def report(verdict: Verdict = Verdict.PASS, error_class: ErrorClass | None = None) -> RunReport:
+    return RunReport(model_id="org/m", task="text-generation", backend="cpu", verdict=verdict, error_class=error_class)
+
+
+def new_job(session: Session, force: bool = False) -> Job:
+    [submitted] = jobs.submit(session, MODEL, None, [RUNTIME], force=force)
+    session.commit()
+    return submitted.job
+
+
+def test_a_leased_job_cannot_be_leased_again(session: Session, settings: Settings) -> None:
+    job = new_job(session)
+    assert jobs.acquire_lease(session, job.id, "w1", settings) is not None
+    assert jobs.acquire_lease(session, job.id, "w2", settings) is None
+    assert jobs.finish(session, job.id, "w2", report()) is False  # not the lease owner
+    assert jobs.finish(session, job.id, "w1", report()) is True
+    session.commit()
+    assert jobs.acquire_lease(session, job.id, "w1", settings) is None  # done: a redelivery does nothing
+    assert session.scalar(sa.select(sa.func.count()).select_from(Result)) == 1
+    assert session.get(Job, job.id, populate_existing=True).state == JobState.done
+
+
+def test_a_stale_lease_is_taken_over_until_attempts_run_out(session: Session, settings: Settings) -> None:
+    job = new_job(session)
+    assert jobs.acquire_lease(session, job.id, "w1", settings)
+    stale = utcnow() - dt.timedelta(seconds=settings.lease_timeout_s + 1)
+    session.execute(sa.update(Job).values(heartbeat_at=stale))
+    taken = jobs.acquire_lease(session, job.id, "w2", settings)
+    assert taken is not None and taken.attempts == 2 and taken.lease_owner == "w2"
+    assert jobs.heartbeat(session, job.id, "w1") is False  # the old owner learns it lost the lease
+    session.execute(sa.update(Job).values(heartbeat_at=stale))
+    assert jobs.acquire_lease(session, job.id, "w3", settings) is None  # max_attempts=2 reached
+    session.commit()
+    job = session.get(Job, job.id, populate_existing=True)
+    assert job.state == JobState.failed and job.error_class == ErrorClass.worker_lost
+    assert job.result is not None and job.result.verdict == Verdict.ERROR
+
+
+def test_cancelled_job_is_never_run_or_written(session: Session, settings: Settings) -> None:
+    job = new_job(session)
+    assert jobs.acquire_lease(session, job.id, "w1", settings)
+    jobs.cancel(session, job.id)
+    session.commit()
+    assert jobs.heartbeat(session, job.id, "w1") is False
+    assert jobs.finish(session, job.id, "w1", report()) is False
+    queued = new_job(session, force=True)
+    jobs.cancel(session, queued.id)
+    assert jobs.acquire_lease(session, queued.id, "w1", settings) is None
+    with pytest.raises(jobs.JobNotFound):
+        jobs.cancel(session, 12345)
+
+
+def test_finished_jobs_cannot_be_cancelled(session: Session, settings: Settings) -> None:
+    job = new_job(session)
+    jobs.acquire_lease(session, job.id, "w1", settings)
+    jobs.finish(session, job.id, "w1", report(Verdict.ERROR, ErrorClass.compile))
+    assert session.get(Job, job.id, populate_existing=True).state == JobState.failed
+    with pytest.raises(jobs.JobFinished):
+        jobs.cancel(session, job.id)
+
+
+def test_submission_deduplicates_and_the_database_refuses_a_second_active_job(session: Session) -> None:
+    first = new_job(session)
+    [again] = jobs.submit(session, MODEL, "main", [RUNTIME])
+    assert not again.created and again.job.id == first.id
+    [forced] = jobs.submit(session, MODEL, None, [RUNTIME], force=True)
+    assert not forced.created  # force never doubles an active job
+    duplicate = Job(**{c: getattr(first, c) for c in ("model_id", "sha", "task", "compiler_name",
+                    "compiler_version", "library", "library_version", "backend", "queue")})  # fmt: skip
+    session.add(duplicate)
+    with pytest.raises(sa.exc.IntegrityError):
+        session.flush()
+
+
+def test_runtimes_come_from_live_workers_else_the_default(session: Session, settings: Settings) -> None:
+    with pytest.raises(jobs.NoRuntime):
+        jobs.plan_runtimes(session, settings.model_copy(update={"backend": "neuron"}), None)
+    default = jobs.plan_runtimes(session, settings.model_copy(update={"default_compiler": "x-1"}), None)
+    assert [r.compiler_version for r in default] == ["x-1"]
+    for name, version, beat in [("a", "c-1", utcnow()), ("b", "c-2", utcnow() - dt.timedelta(hours=1))]:
+        session.add(
+            Worker(name=name, host="h", pid=1, backend="cpu", compiler_name="c", compiler_version=version,
+                   library="transformers", library_version="5", torch_version="2", cores="0", core_count=1,
+                   queue="q", heartbeat_at=beat)
+        )  # fmt: skip
+    session.flush()
+    assert [r.compiler_version for r in jobs.plan_runtimes(session, settings, None)] == ["c-1"]
+    with pytest.raises(jobs.UnknownCompiler, match="'c-2' is not served"):
+        jobs.plan_runtimes(session, settings, ["c-2"])

@@ -1,0 +1,134 @@
+"""The runner as users and the worker call it: a real child process loading a real checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.worker.runner.failures import RunFailure, classify
+from services.worker.runner.launch import run_child
+from services.worker.runner.verdict import compare_tokens, first_divergence
+from shared.enums import ErrorClass, Verdict
+from tests.conftest import ROOT, RUN_DIR
+
+
+def run_runner(*args: str, **env: str) -> tuple[int, dict[str, Any]]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.worker.runner", *args],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-3000:]
+    return proc.returncode, json.loads(lines[-1])
+
+
+def test_inductor_compiles_and_matches_the_reference(tiny_models: Path) -> None:
+    """The real default compiler on the cpu backend, on a local checkpoint directory."""
+    code, report = run_runner(
+        str(tiny_models / "tiny-llama"),
+        SUPPORTMATRIX_CPU_COMPILE_BACKEND="inductor",
+        SUPPORTMATRIX_CACHE_DIR=str(RUN_DIR / "inductor-cache"),
+    )
+    assert code == 0, report
+    assert report["verdict"] == "PASS"
+    assert report["compiler_name"] == "inductor" and report["compiler_version"] == "inductor-2.13.0+cpu"
+    assert report["generated_token_ids"] == report["reference_token_ids"]
+    assert len(report["generated_token_ids"]) == 32
+    # inductor generated C++ for this run, in the configured cache, not in /tmp
+    assert any((RUN_DIR / "inductor-cache" / "inductor").rglob("*.py"))
+    assert report["compile_s"] > report["generate_s"]
+    assert report["sha"] is None  # a local directory has no commit
+    assert report["reproduce"] == f"python -m services.worker.runner {tiny_models / 'tiny-llama'} --backend cpu"
+
+
+def test_hub_model_is_downloaded_through_the_endpoint(hub: Any, tmp_path: Path) -> None:
+    before = len(hub.requests)
+    code, report = run_runner("org/tiny-gpt2", HF_HOME=str(tmp_path / "empty-hf-cache"))
+    assert code == 0 and report["verdict"] == "PASS", report
+    assert len(report["sha"]) == 40
+    paths = [p for _, p in hub.requests[before:]]
+    assert any(p.endswith("/resolve/" + report["sha"] + "/model.safetensors") for p in paths)
+
+
+@pytest.mark.parametrize(
+    ("model", "error_class", "message"),
+    [
+        ("org/tiny-broken", "load", "reference: "),
+        ("org/no-such-model", "not_found", "org/no-such-model@main"),
+        ("org/gated-llama", "gated", "is gated"),
+    ],
+)
+def test_models_that_cannot_run_end_in_error_with_their_class(
+    hub: Any, tiny_models: Path, model: str, error_class: str, message: str
+) -> None:
+    hub.add("org/gated-llama", tiny_models / "tiny-llama", gated="auto")
+    code, report = run_runner(model)
+    assert code == 3
+    assert report["verdict"] == "ERROR" and report["error_class"] == error_class, report["error_message"]
+    assert message in report["error_message"]
+
+
+def test_describe_reports_what_this_machine_serves() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.worker.runner", "--describe"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["backend"] == "cpu" and info["compiler_version"] == "aot_eager-2.13.0+cpu"
+    assert info["library"] == "transformers" and info["library_version"]
+
+
+def test_bad_usage_exits_2_with_a_message() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.worker.runner", "--backend", "tpu", "org/x"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "invalid choice: 'tpu'" in proc.stderr
+
+
+def test_a_child_that_dies_without_output_is_a_crash(tmp_path: Path) -> None:
+    spec = {"role": "describe", "backend": "cpu"}
+    with pytest.raises(RunFailure) as info:
+        # An interpreter without its standard library dies at start-up, before it writes anything.
+        run_child(spec, {"PYTHONHOME": "/nonexistent"}, 60, tmp_path)
+    assert info.value.error_class == ErrorClass.crash
+    assert "exit status 1" in info.value.message and "Fatal Python error" in info.value.message
+
+
+def test_a_child_over_its_time_limit_is_killed(tmp_path: Path) -> None:
+    with pytest.raises(RunFailure) as info:
+        run_child({"role": "describe", "backend": "cpu"}, {}, 0.2, tmp_path)
+    assert info.value.error_class == ErrorClass.timeout
+
+
+def test_verdict_is_pass_only_when_every_token_matches() -> None:
+    assert compare_tokens([1, 2, 3], [1, 2, 3]).verdict == Verdict.PASS
+    assert compare_tokens([1, 2, 4], [1, 2, 3]) == compare_tokens([1, 2, 4, 5], [1, 2, 3, 5])
+    assert compare_tokens([1, 9, 3], [1, 2, 3]).first_divergence == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([], []) is None
+
+
+def test_exceptions_are_classified_by_phase_and_memory() -> None:
+    import torch._dynamo.exc
+
+    assert classify(MemoryError(), ErrorClass.load) == ErrorClass.oom
+    assert classify(RuntimeError("CUDA out of memory. Tried to allocate"), ErrorClass.runtime) == ErrorClass.oom
+    assert classify(OSError("no such file"), ErrorClass.load) == ErrorClass.load
+    assert classify(ValueError("bad shape"), ErrorClass.compile) == ErrorClass.runtime
+    assert classify(torch._dynamo.exc.Unsupported("graph break"), ErrorClass.compile) == ErrorClass.compile
