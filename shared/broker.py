@@ -29,6 +29,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,  # one job at a time per process: jobs are long
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "task_ignore_result": True,  # results live in SQL
+        # A submission waits at most ~1 s for a broker that is down, then answers 503 and keeps nothing.
+        "task_publish_retry_policy": {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.3},
         "task_routes": {EXPORT_TASK: {"queue": EXPORT_QUEUE}},
         "task_default_queue": EXPORT_QUEUE,
         "worker_hijack_root_logger": False,

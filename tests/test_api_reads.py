@@ -111,7 +111,7 @@ def test_metrics_count_jobs_and_results_with_the_shared_codes(api: Any, org: str
 def test_openapi_documents_every_status_each_route_returns(api: Any) -> None:
     paths = api.get("/openapi.json").json()["paths"]
     assert set(paths["/jobs"]["post"]["responses"]) == {"200", "202", "404", "413", "422", "503"}
-    assert set(paths["/jobs/{job_id}"]["delete"]["responses"]) == {"200", "404", "409", "422"}
-    assert set(paths["/results"]["get"]["responses"]) == {"200", "422"}
+    assert set(paths["/jobs/{job_id}"]["delete"]["responses"]) == {"200", "404", "409", "422", "503"}
+    assert set(paths["/results"]["get"]["responses"]) == {"200", "422", "503"}
     assert set(paths["/healthz"]["get"]["responses"]) == {"200", "503"}
     assert "pattern" in str(paths["/jobs"]["get"]["parameters"])

@@ -224,3 +224,18 @@ def _queued_state(api: Any) -> tuple[int, int]:
         jobs = session.scalar(sa.select(sa.func.count()).select_from(Job))
     client = redis.Redis.from_url(get_settings().redis_url)
     return int(jobs or 0), int(client.llen(job_queue("cpu", "aot_eager-2.13.0+cpu", 1)))
+
+
+def test_submission_with_the_queue_down_is_a_503_that_keeps_nothing(api: Any, worker: Any) -> None:
+    from shared.broker import get_producer, make_celery
+    from shared.settings import Settings
+
+    dead = make_celery(Settings(redis_url="redis://127.0.0.1:1/0"))
+    api.app.dependency_overrides[get_producer] = lambda: dead
+    try:
+        before = _queued_state(api)
+        response = api.post("/jobs", json={"model_id": "org/tiny-qwen3", "force": True})
+    finally:
+        api.app.dependency_overrides.clear()
+    assert response.status_code == 503 and "the job queue is unavailable" in response.text
+    assert _queued_state(api) == before

@@ -72,7 +72,7 @@ def submit_jobs(
     )
 
 
-@router.get("", response_model=JobPage, responses=error_responses(422))
+@router.get("", response_model=JobPage, responses=error_responses(422, 503))
 def list_jobs(
     session: SessionDep,
     settings: SettingsDep,
@@ -88,7 +88,7 @@ def list_jobs(
     return JobPage(items=[JobOut.model_validate(j) for j in items], next_cursor=next_cursor)
 
 
-@router.get("/{job_id}", response_model=JobOut, responses=error_responses(404, 422))
+@router.get("/{job_id}", response_model=JobOut, responses=error_responses(404, 422, 503))
 def get_job(job_id: int, session: SessionDep) -> JobOut:
     job = session.get(Job, job_id)
     if job is None:
@@ -96,7 +96,7 @@ def get_job(job_id: int, session: SessionDep) -> JobOut:
     return JobOut.model_validate(job)
 
 
-@router.delete("/{job_id}", response_model=JobOut, responses=error_responses(404, 409, 422))
+@router.delete("/{job_id}", response_model=JobOut, responses=error_responses(404, 409, 422, 503))
 def cancel_job(job_id: int, session: SessionDep, producer: ProducerDep) -> JobOut:
     """Cancel a queued job, or stop a running one: its worker kills the runner within a heartbeat."""
     try:

@@ -24,7 +24,7 @@ NEXT_CURSOR_HEADER = "X-Next-Cursor"
             "description": "Results, newest first. CSV and Parquet carry the next cursor in X-Next-Cursor.",
             "content": {"text/csv": {}, "application/vnd.apache.parquet": {}},
         },
-        **error_responses(422),
+        **error_responses(422, 503),
     },
 )
 def list_results(

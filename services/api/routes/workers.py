@@ -5,13 +5,13 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from services.api.deps import SessionDep, SettingsDep
-from services.api.schemas import WorkerOut
+from services.api.schemas import WorkerOut, error_responses
 from shared.jobs import live_workers
 
 router = APIRouter(prefix="/workers", tags=["workers"])
 
 
-@router.get("", response_model=list[WorkerOut])
+@router.get("", response_model=list[WorkerOut], responses=error_responses(503))
 def list_workers(session: SessionDep, settings: SettingsDep) -> list[WorkerOut]:
     """Workers whose heartbeat is recent, by name."""
     return [WorkerOut.model_validate(w) for w in live_workers(session, settings)]
