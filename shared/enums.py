@@ -34,11 +34,28 @@ class ErrorClass(StrEnum):
     timeout = "timeout"  # the runner ran past its hard limit
     crash = "crash"  # a runner process died without a report (signal, abort)
     worker_lost = "worker_lost"  # delivered max_attempts times without finishing
+    unsupported_parallelism = "unsupported_parallelism"  # must be sharded, but has no plan that fits
+    too_large = "too_large"  # needs more than 16 cores: SKIPPED at submission
+    unsizable = "unsizable"  # neither safetensors metadata nor file sizes tell its size
     internal = "internal"  # a bug of ours; the message says where
 
 
 class Task(StrEnum):
     text_generation = "text-generation"
+    feature_extraction = "feature-extraction"
+
+
+class Parallelism(StrEnum):
+    none = "none"  # one core
+    tp = "tp"  # tensor parallel (dense models)
+    ep = "ep"  # experts split by expert, everything else replicated (MoE, as the public Space runs them)
+    ep_tp = "ep_tp"  # experts split by expert, attention tensor parallel (MoE)
+
+
+class JudgeKind(StrEnum):
+    likelihood = "likelihood"  # the reference model's log-likelihood of the text: no extra model
+    local = "local"  # a transformers causal LM on the CPU
+    openai = "openai"  # any OpenAI-compatible chat endpoint
 
 
 class CompilerName(StrEnum):

@@ -23,6 +23,8 @@ from shared.runtime import RunReport, RuntimeInfo, default_runtime
 from shared.settings import Settings
 
 FINISHED_STATES = (JobState.done, JobState.failed, JobState.cancelled)
+# The report fields a result row keeps (the rest, like model_id, live on the job).
+RESULT_FIELDS = {c.key for c in Result.__table__.columns} & set(RunReport.model_fields)
 
 
 class UnknownCompiler(ValueError):
@@ -267,31 +269,8 @@ def finish(session: Session, job_id: int, owner: str, report: RunReport) -> bool
     ).rowcount
     if not moved:
         return False
-    session.add(
-        Result(
-            job_id=job_id,
-            verdict=report.verdict,
-            error_class=report.error_class,
-            error_message=report.error_message,
-            cores=report.cores,
-            wall_s=report.wall_s,
-            load_s=report.load_s,
-            compile_s=report.compile_s,
-            generate_s=report.generate_s,
-            peak_memory_bytes=report.peak_memory_bytes,
-            generated_token_ids=report.generated_token_ids,
-            reference_token_ids=report.reference_token_ids,
-            generated_text=report.generated_text,
-            reference_text=report.reference_text,
-            first_divergence=report.first_divergence,
-            host=report.host,
-            core_range=report.core_range,
-            torch_version=report.torch_version,
-            library_version=report.library_version,
-            compiler_version=report.compiler_version,
-            reproduce=report.reproduce,
-        )
-    )
+    fields = report.model_dump(include=RESULT_FIELDS)
+    session.add(Result(job_id=job_id, **fields))
     return True
 
 

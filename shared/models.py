@@ -119,6 +119,20 @@ class Result(Base):
     library_version: Mapped[str | None] = mapped_column(sa.String(64))
     compiler_version: Mapped[str | None] = mapped_column(sa.String(100))
     reproduce: Mapped[str | None] = mapped_column(sa.Text)
+    parallelism: Mapped[str | None] = mapped_column(sa.String(16))
+    visible_cores: Mapped[str | None] = mapped_column(sa.String(200))
+    verdict_reason: Mapped[str | None] = mapped_column(sa.Text)
+    tokens_match: Mapped[bool | None]
+    prefill_rel_error: Mapped[float | None]
+    accelerator_loglik: Mapped[float | None]
+    reference_loglik: Mapped[float | None]
+    similarity: Mapped[float | None]
+    judge_kind: Mapped[str | None] = mapped_column(sa.String(32))
+    judge_model: Mapped[str | None] = mapped_column(sa.String(200))
+    judge_prompt_hash: Mapped[str | None] = mapped_column(sa.String(64))
+    judge_answer: Mapped[str | None] = mapped_column(sa.Text)
+    judge_rationale: Mapped[str | None] = mapped_column(sa.Text)
+    evidence: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     job: Mapped[Job] = relationship(back_populates="result")

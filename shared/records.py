@@ -44,12 +44,25 @@ RESULT_SCHEMA = pa.schema(
         ("generate_s", pa.float64()),
         ("peak_memory_bytes", pa.int64()),
         ("first_divergence", pa.int32()),
+        ("verdict_reason", pa.string()),
+        ("parallelism", pa.string()),
+        ("tokens_match", pa.bool_()),
+        ("prefill_rel_error", pa.float64()),
+        ("accelerator_loglik", pa.float64()),
+        ("reference_loglik", pa.float64()),
+        ("similarity", pa.float64()),
+        ("judge_kind", pa.string()),
+        ("judge_model", pa.string()),
+        ("judge_prompt_hash", pa.string()),
+        ("judge_answer", pa.string()),
+        ("judge_rationale", pa.string()),
         ("generated_text", pa.string()),
         ("reference_text", pa.string()),
         ("generated_token_ids", pa.list_(pa.int64())),
         ("reference_token_ids", pa.list_(pa.int64())),
         ("host", pa.string()),
         ("core_range", pa.string()),
+        ("visible_cores", pa.string()),
         ("torch_version", pa.string()),
         ("reproduce", pa.string()),
         ("job_id", pa.int64()),
@@ -57,6 +70,7 @@ RESULT_SCHEMA = pa.schema(
     ]
 )
 COLUMNS = RESULT_SCHEMA.names
+EVIDENCE_COLUMNS = COLUMNS[COLUMNS.index("verdict_reason") : COLUMNS.index("judge_rationale") + 1]
 
 
 def record(result: Result, job: Job) -> dict[str, Any]:
@@ -80,12 +94,14 @@ def record(result: Result, job: Job) -> dict[str, Any]:
         "generate_s": result.generate_s,
         "peak_memory_bytes": result.peak_memory_bytes,
         "first_divergence": result.first_divergence,
+        **{key: getattr(result, key) for key in EVIDENCE_COLUMNS},
         "generated_text": result.generated_text,
         "reference_text": result.reference_text,
         "generated_token_ids": result.generated_token_ids,
         "reference_token_ids": result.reference_token_ids,
         "host": result.host,
         "core_range": result.core_range,
+        "visible_cores": result.visible_cores,
         "torch_version": result.torch_version,
         "reproduce": result.reproduce,
         "job_id": job.id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -51,6 +52,20 @@ class RunReport(BaseModel):
     reference_text: str | None = None
     first_divergence: int | None = None
     reproduce: str | None = None
+    parallelism: str | None = None
+    visible_cores: str | None = None  # what the accelerator process could use (CPU affinity, devices)
+    verdict_reason: str | None = None
+    tokens_match: bool | None = None
+    prefill_rel_error: float | None = None
+    accelerator_loglik: float | None = None  # mean log-prob per token of its text under the reference
+    reference_loglik: float | None = None
+    similarity: float | None = None  # feature-extraction: the lowest cosine similarity to the reference
+    judge_kind: str | None = None
+    judge_model: str | None = None
+    judge_prompt_hash: str | None = None
+    judge_answer: str | None = None
+    judge_rationale: str | None = None
+    evidence: dict[str, Any] | None = None
 
 
 def _installed(dist: str) -> str | None:

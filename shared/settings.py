@@ -34,6 +34,23 @@ class Settings(BaseSettings):
     max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it ends ERROR(worker_lost).")
     worker_stale_s: float = Field(60.0, gt=0, description="A worker whose heartbeat is older is not live.")
 
+    # Cores and their memory: a host has host_cores (on cpu a count that may exceed the real CPUs);
+    # core_memory_gib is one core's memory, default per backend (24 GiB on trn2 at LNC=2).
+    host_cores: int = Field(64, ge=1, le=1024)
+    core_memory_gib: float | None = Field(None, gt=0)
+    moe_parallelism: Literal["ep", "ep_tp"] = Field("ep", description="experts only, or experts + TP attention")
+
+    judge_kind: Literal["likelihood", "local", "openai"] = "likelihood"
+    judge_model: str = Field("Qwen/Qwen3-0.6B", description="the local judge's Hub id or directory; or the endpoint's")
+    judge_url: str | None = Field(None, description="an OpenAI-compatible base URL, e.g. http://host:8000/v1")
+    judge_token: str | None = None
+    judge_loglik_slack: float = Field(1.0, ge=0)
+
+    # Test only: plant a fault in the cpu backend's accelerator run (perturb_shard, skip_allreduce, drop_layer).
+    cpu_fault: Literal["perturb_shard", "skip_allreduce", "drop_layer"] | None = None
+    # cpu backend threads per accelerator rank (0: torch's default); a benign-noise knob for tests.
+    cpu_threads: int = Field(0, ge=0)
+
     api_max_body_bytes: int = Field(65536, gt=0)
     page_limit_max: int = Field(1000, gt=0)
 

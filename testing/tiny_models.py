@@ -48,21 +48,23 @@ def build_tokenizer() -> Any:
     )
 
 
-def _dense(cls_name: str, **extra: Any) -> Callable[[], Any]:
+def _decoder(cls_name: str, **extra: Any) -> Callable[[], Any]:
+    """A small decoder config; 4 heads and 4 KV heads, so it shards 2 and 4 ways."""
+
     def config() -> Any:
         import transformers
 
-        return getattr(transformers, cls_name)(
-            vocab_size=VOCAB_SIZE,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=256,
-            tie_word_embeddings=False,
-            **extra,
-        )
+        fields = {
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 256,
+            "tie_word_embeddings": False,
+        }
+        return getattr(transformers, cls_name)(**(fields | extra))
 
     return config
 
@@ -77,9 +79,27 @@ def _gpt2() -> Any:
 
 # name → (config factory, model class name)
 MODELS: dict[str, tuple[Callable[[], Any], str]] = {
-    "tiny-llama": (_dense("LlamaConfig"), "LlamaForCausalLM"),
-    "tiny-qwen3": (_dense("Qwen3Config", head_dim=16), "Qwen3ForCausalLM"),
+    "tiny-llama": (_decoder("LlamaConfig"), "LlamaForCausalLM"),
+    "tiny-qwen3": (_decoder("Qwen3Config", head_dim=16), "Qwen3ForCausalLM"),
     "tiny-gpt2": (_gpt2, "GPT2LMHeadModel"),
+    # 4 experts, top-2: they split 2 and 4 ways by expert
+    "tiny-qwen3-moe": (
+        _decoder(
+            "Qwen3MoeConfig",
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            decoder_sparse_step=1,
+        ),
+        "Qwen3MoeForCausalLM",
+    ),  # fmt: skip
+    "tiny-mixtral": (_decoder("MixtralConfig", num_local_experts=4, num_experts_per_tok=2), "MixtralForCausalLM"),
+    # 6 heads and 2 KV heads: fits one core, and splits 2 ways but not 4
+    "tiny-llama-6h": (
+        _decoder("LlamaConfig", hidden_size=96, num_attention_heads=6, num_key_value_heads=2),
+        "LlamaForCausalLM",
+    ),  # fmt: skip
 }
 
 

@@ -16,13 +16,14 @@ import tempfile
 from pathlib import Path
 
 from services.worker.runner.backends import BACKENDS, Backend, get_backend
-from services.worker.runner.download import download
+from services.worker.runner.download import Checkpoint, download
 from services.worker.runner.failures import RunFailure
-from services.worker.runner.launch import run_child
-from services.worker.runner.tasks import TASKS, get_task
+from services.worker.runner.launch import run_child, run_ranks
+from services.worker.runner.tasks import TASKS
 from shared.enums import ErrorClass, Task, Verdict
 from shared.runtime import RunReport, RuntimeInfo
 from shared.settings import get_settings
+from shared.sizing import CORE_SIZES, checkpoint_shape, default_core_memory_bytes, size_model
 
 EXIT_CODES = {Verdict.PASS: 0, Verdict.FAIL: 1, Verdict.ERROR: 3, Verdict.SKIPPED: 3}
 
@@ -33,6 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--revision", help="branch, tag or commit sha (Hub ids only)")
     parser.add_argument("--backend", choices=sorted(BACKENDS), help="default: SUPPORTMATRIX_BACKEND")
     parser.add_argument("--task", default=Task.text_generation.value, choices=sorted(TASKS))
+    parser.add_argument("--cores", type=int, choices=CORE_SIZES, help="shard over this many cores (default: sized)")
     parser.add_argument("--core-range", help="the cores this run is pinned to, recorded as provenance")
     parser.add_argument("--timeout", type=float, help="seconds per child process (default: the job timeout)")
     parser.add_argument("--report", type=Path, help="also write the JSON report to this file")
@@ -60,10 +62,20 @@ def describe(backend_name: str, timeout_s: float) -> RuntimeInfo:
         return RuntimeInfo(**run_child(spec, {}, timeout_s, Path(tmp)))
 
 
+def choose_cores(args: argparse.Namespace, checkpoint: Checkpoint, backend: Backend) -> int:
+    """--cores when given, else the fewest cores whose memory holds the checkpoint."""
+    if args.cores:
+        return int(args.cores)
+    memory = default_core_memory_bytes(backend.name, backend.settings.core_memory_gib)
+    sizing = size_model(checkpoint_shape(checkpoint.path), memory)
+    if sizing.cores is None:
+        raise RunFailure(ErrorClass.too_large, sizing.reason)
+    return sizing.cores
+
+
 def run(args: argparse.Namespace) -> RunReport:
     settings = get_settings()
     backend = get_backend(args.backend or settings.backend, settings)
-    task = get_task(args.task)
     timeout_s = args.timeout or settings.job_timeout_s
     report = RunReport(
         model_id=args.model,
@@ -78,24 +90,42 @@ def run(args: argparse.Namespace) -> RunReport:
         checkpoint = download(args.model, args.revision)
         report.sha = checkpoint.sha
         report.reproduce = reproduce_command(args.model, checkpoint.sha, backend, args.task)
+        report.cores = choose_cores(args, checkpoint, backend)
         runs_dir = settings.data_dir / "runs"
         runs_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="run-", dir=runs_dir) as tmp:
             workdir = Path(tmp)
-            common = {"backend": backend.name, "task": args.task, "model_dir": str(checkpoint.path)}
-            reference = run_child({**common, "role": "reference"}, backend.reference_env(), timeout_s, workdir)
-            accelerator = run_child({**common, "role": "accelerator"}, backend.accelerator_env(), timeout_s, workdir)
+            common = {
+                "backend": backend.name,
+                "task": args.task,
+                "model_dir": str(checkpoint.path),
+                "moe_parallelism": settings.moe_parallelism,
+                "fault": settings.cpu_fault if backend.name == "cpu" else None,
+                "prefill_path": str(workdir / "prefill-logits.pt"),
+            }
+            ranks = run_ranks(
+                {**common, "role": "accelerator"}, report.cores, backend.accelerator_env(), timeout_s, workdir
+            )
+            accelerator = ranks[0]
+            accelerator["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in ranks)
+            reference = run_child(
+                {**common, "role": "reference", "accelerator_world_size": report.cores, "accelerator": accelerator},
+                backend.reference_env(),
+                timeout_s,
+                workdir,
+            )
     except RunFailure as failure:
+        report.verdict = Verdict.SKIPPED if failure.error_class == ErrorClass.too_large else Verdict.ERROR
         report.error_class = failure.error_class
         report.error_message = failure.message
         return report
-    report = report.model_copy(update=task.compare(reference, accelerator))
     runtime = RuntimeInfo(**accelerator["runtime"])
+    report = RunReport.model_validate(report.model_dump() | reference)
     report.compiler_name = runtime.compiler_name
     report.compiler_version = runtime.compiler_version
     report.library_version = runtime.library_version
     report.torch_version = runtime.torch_version
-    for key in ("wall_s", "load_s", "compile_s", "generate_s", "peak_memory_bytes"):
+    for key in ("wall_s", "load_s", "compile_s", "generate_s", "peak_memory_bytes", "parallelism", "visible_cores"):
         setattr(report, key, accelerator[key])
     return report
 

@@ -26,9 +26,13 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         if spec["role"] == "describe":
             return {"ok": True, "data": backend.describe().model_dump()}
-        data = get_task(spec["task"]).run(spec["role"], spec["model_dir"], backend)
-        if spec["role"] == "accelerator":  # the versions that really ran, for the report's provenance
-            data["runtime"] = backend.describe().model_dump()
+        task = get_task(spec["task"])
+        if spec["role"] == "accelerator":
+            backend.prepare_process()
+            data = task.accelerator(spec, backend)
+            data["runtime"] = backend.describe().model_dump()  # the versions that really ran
+        else:
+            data = task.reference(spec, backend)
         return {"ok": True, "data": data}
     except RunFailure as failure:
         return {

@@ -45,3 +45,10 @@ class Backend(ABC):
     @abstractmethod
     def peak_memory_bytes(self) -> int:
         """Peak memory of this process on the accelerator run's device."""
+
+    @abstractmethod
+    def visible_cores(self) -> str:
+        """The cores this process may use, as the machine reports them (provenance, and checked in tests)."""
+
+    def prepare_process(self) -> None:  # noqa: B027 - most backends need nothing
+        """Per-process setup of an accelerator rank before torch does any work."""

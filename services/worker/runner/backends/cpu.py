@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from services.worker.runner.backends.base import Backend
 from services.worker.runner.measure import peak_rss_bytes
+from shared.cores import format_cpus
 from shared.runtime import LIBRARY, RuntimeInfo
 
 
@@ -49,3 +51,12 @@ class CpuBackend(Backend):
 
     def peak_memory_bytes(self) -> int:
         return peak_rss_bytes()
+
+    def visible_cores(self) -> str:
+        return format_cpus(os.sched_getaffinity(0))
+
+    def prepare_process(self) -> None:
+        if self.settings.cpu_threads:
+            import torch
+
+            torch.set_num_threads(self.settings.cpu_threads)

@@ -47,3 +47,8 @@ class CudaBackend(Backend):
 
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated())
+
+    def visible_cores(self) -> str:
+        import torch
+
+        return f"{torch.cuda.device_count()} device(s)"

@@ -62,3 +62,8 @@ class NeuronBackend(Backend):
 
         torch.neuron.synchronize()
         return int(torch.neuron.max_memory_allocated())
+
+    def visible_cores(self) -> str:
+        import torch
+
+        return f"{torch.neuron.device_count()} device(s)"
