@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from huggingface_hub import HfApi
+from huggingface_hub import HfApi, hf_hub_download
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -13,6 +15,8 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+
+from shared.sizing import ModelShape, parameters_from_file_sizes, shape_from_config
 
 # The Hub's repo-id grammar, narrowed to "org/name": letters, digits, '-', '_', '.', at most 96 each,
 # not starting or ending with '-' or '.', no '--' or '..'.
@@ -54,12 +58,17 @@ class ResolvedModel:
     sha: str
     gated: bool
     pipeline_tag: str | None
+    parameters: dict[str, int] = field(default_factory=dict)  # safetensors parameter counts per dtype
+    files: tuple[str, ...] = ()
+
+
+EXPAND = ["sha", "siblings", "safetensors", "gated", "pipeline_tag", "library_name"]
 
 
 def resolve_model(model_id: str, revision: str | None = None, timeout_s: float = 20.0) -> ResolvedModel:
     """The commit a (model, revision) points at now; raises a HubError subclass with a reason."""
     try:
-        info = HfApi().model_info(model_id, revision=revision, timeout=timeout_s)
+        info = HfApi().model_info(model_id, revision=revision, timeout=timeout_s, expand=EXPAND)  # type: ignore[arg-type]
     except RevisionNotFoundError as exc:
         raise RevisionNotFound(f"revision {revision!r} of {model_id} does not exist on the Hub") from exc
     except GatedRepoError as exc:  # a subclass of RepositoryNotFoundError: test it first
@@ -79,4 +88,30 @@ def resolve_model(model_id: str, revision: str | None = None, timeout_s: float =
         sha=info.sha,
         gated=bool(info.gated),
         pipeline_tag=info.pipeline_tag,
+        parameters=dict(info.safetensors.parameters) if info.safetensors else {},
+        files=tuple(s.rfilename for s in info.siblings or []),
     )
+
+
+class Unsizable(HubError):
+    pass
+
+
+def model_shape(model: ResolvedModel, timeout_s: float = 20.0) -> ModelShape:
+    """Size inputs without downloading weights: safetensors metadata (or weight file sizes) + config.json."""
+    try:
+        config_path = hf_hub_download(model.model_id, "config.json", revision=model.sha, etag_timeout=timeout_s)
+        config = json.loads(Path(config_path).read_text())
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise Unsizable(f"{model.model_id} has no readable config.json: {exc}") from exc
+    parameters = sum(model.parameters.values())
+    if not parameters:
+        weights = [f for f in model.files if f.endswith((".bin", ".pt", ".pth", ".safetensors"))]
+        if not weights:
+            raise Unsizable(f"{model.model_id} has neither safetensors metadata nor weight files")
+        infos = HfApi().get_paths_info(model.model_id, weights, revision=model.sha)
+        total = sum(getattr(i, "size", 0) or 0 for i in infos)
+        if not total:
+            raise Unsizable(f"{model.model_id}: the Hub gives no size for {weights}")
+        parameters = parameters_from_file_sizes(total, config.get("torch_dtype") or config.get("dtype"))
+    return shape_from_config(parameters, config)

@@ -98,15 +98,17 @@ def plan_runtimes(session: Session, settings: Settings, compilers: list[str] | N
 class Submitted:
     job: Job
     created: bool
+    enqueue: bool = False  # created and waiting for a worker (not settled at submission)
 
 
-def _identity(model: ResolvedModel, runtime: RuntimeInfo, task: str) -> sa.ColumnElement[bool]:
+def _identity(model: ResolvedModel, runtime: RuntimeInfo, task: str, cores: int) -> sa.ColumnElement[bool]:
     return sa.and_(
         Job.model_id == model.model_id,
         Job.sha == model.sha,
         Job.compiler_version == runtime.compiler_version,
         Job.library_version == runtime.library_version,
         Job.task == task,
+        Job.cores == cores,
     )
 
 
@@ -125,6 +127,7 @@ def submit(
     *,
     force: bool = False,
     task: str = Task.text_generation.value,
+    cores: int = 1,
 ) -> list[Submitted]:
     """One job per runtime; an identical queued, running or done job is returned instead of a new one.
 
@@ -133,7 +136,7 @@ def submit(
     """
     out: list[Submitted] = []
     for runtime in runtimes:
-        identity = _identity(model, runtime, task)
+        identity = _identity(model, runtime, task, cores)
         existing = _existing(session, identity, force)
         if existing is not None:
             out.append(Submitted(existing, created=False))
@@ -148,8 +151,8 @@ def submit(
             library=runtime.library,
             library_version=runtime.library_version,
             backend=runtime.backend,
-            cores=1,
-            queue=job_queue(runtime.backend, runtime.compiler_version, 1),
+            cores=cores,
+            queue=job_queue(runtime.backend, runtime.compiler_version, cores),
             state=JobState.queued,
         )
         try:
@@ -163,7 +166,7 @@ def submit(
                 raise
             out.append(Submitted(raced, created=False))
             continue
-        out.append(Submitted(job, created=True))
+        out.append(Submitted(job, created=True, enqueue=True))
     return out
 
 
@@ -294,6 +297,7 @@ def list_jobs(
 
 
 def withdraw(session: Session, job_ids: list[int]) -> None:
-    """Remove jobs that were created but could not be enqueued, so a failed submission leaves nothing."""
+    """Remove the jobs (and any result settled at submission) of a submission that could not be enqueued."""
     if job_ids:
-        session.execute(sa.delete(Job).where(Job.id.in_(job_ids), Job.state == JobState.queued))
+        session.execute(sa.delete(Result).where(Result.job_id.in_(job_ids)))
+        session.execute(sa.delete(Job).where(Job.id.in_(job_ids)))

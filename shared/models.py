@@ -87,6 +87,7 @@ class Job(Base):
             "compiler_version",
             "library_version",
             "task",
+            "cores",
             unique=True,
             sqlite_where=sa.text(f"state IN {tuple(s.value for s in ACTIVE_STATES)}"),
             postgresql_where=sa.text(f"state IN {tuple(s.value for s in ACTIVE_STATES)}"),

@@ -169,6 +169,7 @@ _ROUTES = [
     ("GET", re.compile(rf"^/api/models/{_REPO}/revision/(?P<rev>[^/]+)$"), "model_info"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?$"), "tree"),
     ("GET", re.compile(rf"^/api/models/{_REPO}$"), "model_info"),
+    ("POST", re.compile(rf"^/api/models/{_REPO}/paths-info/(?P<rev>[^/]+)$"), "paths_info"),
     ("GET", re.compile(r"^/api/agent-harnesses$"), "harnesses"),
     ("HEAD", re.compile(rf"^/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
     ("GET", re.compile(rf"^/{_REPO}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "resolve"),
@@ -195,8 +196,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         # Always drain the body: on a kept-alive connection an unread body becomes the next request line.
         length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
+        self.body = self.rfile.read(length) if length else b""
         url = urlsplit(self.path)
         path = unquote(url.path)
         self.query = parse_qs(url.query)
@@ -350,6 +350,15 @@ class _Handler(BaseHTTPRequestHandler):
         if prefix and not entries:
             raise HubError(404, "EntryNotFound", f"{prefix} does not exist in {repo}")
         self._json(list(entries.values()))
+
+    def paths_info(self, repo: str, rev: str) -> None:
+        r = self._repo(repo)
+        files = r.files()
+        self._check_revision(r, rev, files)
+        wanted = set(parse_qs(self.body.decode()).get("paths", []))
+        self._json(
+            [{"type": "file", "path": f.path, "size": f.size, "oid": f.git_oid} for f in files if f.path in wanted]
+        )
 
     def resolve(self, repo: str, rev: str, path: str) -> None:
         r = self._repo(repo)

@@ -93,13 +93,13 @@ MODELS: dict[str, tuple[Callable[[], Any], str]] = {
             decoder_sparse_step=1,
         ),
         "Qwen3MoeForCausalLM",
-    ),  # fmt: skip
+    ),
     "tiny-mixtral": (_decoder("MixtralConfig", num_local_experts=4, num_experts_per_tok=2), "MixtralForCausalLM"),
     # 6 heads and 2 KV heads: fits one core, and splits 2 ways but not 4
     "tiny-llama-6h": (
         _decoder("LlamaConfig", hidden_size=96, num_attention_heads=6, num_key_value_heads=2),
         "LlamaForCausalLM",
-    ),  # fmt: skip
+    ),
 }
 
 

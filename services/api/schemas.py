@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from shared.enums import ErrorClass, JobState
+from shared.enums import ErrorClass, JobState, Task
 from shared.hub import MODEL_ID_PATTERN, REVISION_PATTERN, is_model_id, is_revision
 
 COMPILER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$"
@@ -57,6 +57,10 @@ class JobCreate(BaseModel):
         None, description="Compiler versions to test with; default: every version live workers serve."
     )
     force: bool = Field(False, description="Run again even if an identical job already finished.")
+    task: Task | None = Field(None, description="Default: from the model's pipeline tag on the Hub.")
+    cores: Literal[1, 2, 4, 8, 16] | None = Field(
+        None, description="Shard over this many cores; default: the fewest whose memory holds the weights."
+    )
 
 
 class JobOut(BaseModel):

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 
 from services.worker import registry
 from services.worker.celery_app import app
+from shared.cores import CoreGroup
 from shared.queues import job_queue
 from shared.runtime import RuntimeInfo
 from shared.settings import child_environment, get_settings
@@ -34,13 +34,21 @@ def describe_runtime(backend: str) -> RuntimeInfo:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.worker", description=__doc__)
-    parser.add_argument("--name", default=f"worker-{socket.gethostname()}", help="unique per host")
+    parser.add_argument("--name", help="unique per host; default: cores-<group>")
+    parser.add_argument(
+        "--cores",
+        type=CoreGroup.parse,
+        default=CoreGroup(0, 1),
+        help="the aligned core group this worker owns, e.g. 0-3 (default 0); it takes jobs of that size",
+    )
     parser.add_argument("--loglevel", default="INFO")
     args = parser.parse_args(argv)
     settings = get_settings()
+    if args.cores.end >= settings.host_cores:
+        parser.error(f"cores {args.cores} lie outside this host's {settings.host_cores} (SUPPORTMATRIX_HOST_CORES)")
     runtime = describe_runtime(settings.backend)
-    queue = job_queue(runtime.backend, runtime.compiler_version, cores=1)
-    registry.configure(registry.Identity(runtime=runtime, queue=queue, cores="all", core_count=1))
+    queue = job_queue(runtime.backend, runtime.compiler_version, cores=args.cores.size)
+    registry.configure(registry.Identity(runtime=runtime, queue=queue, group=args.cores))
     print(
         f"serving {runtime.compiler_version} / {runtime.library} {runtime.library_version} on {queue}",
         flush=True,
@@ -55,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             "--pool",
             "prefork",
             "--hostname",
-            f"{args.name}@%h",
+            f"{args.name or f'cores-{args.cores}'}@%h",
             "--without-gossip",
             "--without-mingle",
             "--loglevel",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
+from shared.cores import CoreGroup
 from shared.db import session_scope
 from shared.models import Worker, utcnow
 from shared.runtime import RuntimeInfo
@@ -23,8 +24,7 @@ from shared.settings import get_settings
 class Identity:
     runtime: RuntimeInfo
     queue: str
-    cores: str
-    core_count: int
+    group: CoreGroup
 
 
 _identity: Identity | None = None
@@ -35,6 +35,11 @@ _thread: threading.Thread | None = None
 def configure(identity: Identity) -> None:
     global _identity
     _identity = identity
+
+
+def core_group() -> CoreGroup:
+    """The cores this worker owns; one core (core 0) for a worker started without an identity."""
+    return _identity.group if _identity else CoreGroup(0, 1)
 
 
 def start(name: str) -> None:
@@ -55,8 +60,8 @@ def start(name: str) -> None:
                 library=rt.library,
                 library_version=rt.library_version,
                 torch_version=rt.torch_version,
-                cores=identity.cores,
-                core_count=identity.core_count,
+                cores=str(identity.group),
+                core_count=identity.group.size,
                 queue=identity.queue,
                 started_at=utcnow(),
                 heartbeat_at=utcnow(),

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from shared.cores import CoreGroup, cpu_set, pin_environment
 from shared.enums import ErrorClass, Verdict
 from shared.models import Job
 from shared.processes import describe_exit
@@ -27,7 +28,7 @@ from shared.settings import Settings, child_environment
 LOG_TAIL_CHARS = 3000
 
 
-def runner_command(job: Job, report_path: Path, core_range: str) -> list[str]:
+def runner_command(job: Job, report_path: Path, group: CoreGroup) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -39,14 +40,16 @@ def runner_command(job: Job, report_path: Path, core_range: str) -> list[str]:
         job.backend,
         "--task",
         job.task,
+        "--cores",
+        str(job.cores),
         "--core-range",
-        core_range,
+        str(group),
         "--report",
         str(report_path),
     ]
 
 
-def error_report(job: Job, error_class: ErrorClass, message: str, core_range: str) -> RunReport:
+def error_report(job: Job, error_class: ErrorClass, message: str, group: CoreGroup) -> RunReport:
     return RunReport(
         model_id=job.model_id,
         sha=job.sha,
@@ -57,7 +60,7 @@ def error_report(job: Job, error_class: ErrorClass, message: str, core_range: st
         error_class=error_class,
         error_message=message,
         cores=job.cores,
-        core_range=core_range,
+        core_range=str(group),
         compiler_name=job.compiler_name,
         compiler_version=job.compiler_version,
         library=job.library,
@@ -70,8 +73,7 @@ def supervise(
     settings: Settings,
     workdir: Path,
     keep_lease: Callable[[], bool],
-    core_range: str,
-    env: dict[str, str],
+    group: CoreGroup,
 ) -> RunReport | None:
     """Run the job's runner to its end; None when the lease was lost (cancelled), so nothing is written."""
     report_path = workdir / "report.json"
@@ -79,12 +81,13 @@ def supervise(
     deadline = time.monotonic() + settings.job_timeout_s
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            runner_command(job, report_path, core_range),
-            env=child_environment(env),
+            runner_command(job, report_path, group),
+            env=child_environment(pin_environment(job.backend, group)),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: one kill takes the runner and its children
+            preexec_fn=_pin_cpus(group) if job.backend == "cpu" else None,
         )
         try:
             while True:
@@ -95,7 +98,7 @@ def supervise(
                         job,
                         ErrorClass.timeout,
                         f"runner exceeded the {settings.job_timeout_s:.0f} s limit and was killed",
-                        core_range,
+                        group,
                     )
                 try:
                     returncode = proc.wait(timeout=min(settings.heartbeat_interval_s, remaining))
@@ -112,9 +115,18 @@ def supervise(
     except (OSError, ValidationError) as exc:
         tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
         message = f"runner {describe_exit(returncode)} without a report ({type(exc).__name__}); output:\n{tail}"
-        return error_report(job, ErrorClass.crash, message, core_range)
+        return error_report(job, ErrorClass.crash, message, group)
     report.cores = job.cores
     return report
+
+
+def _pin_cpus(group: CoreGroup) -> Callable[[], None]:
+    cpus = cpu_set(group)
+
+    def pin() -> None:  # in the child, before exec: the runner and all it starts inherit the affinity
+        os.sched_setaffinity(0, cpus)
+
+    return pin
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:

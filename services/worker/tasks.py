@@ -7,6 +7,7 @@ import shutil
 import socket
 from typing import Any
 
+from services.worker import registry
 from services.worker.celery_app import app
 from services.worker.supervise import supervise
 from shared.broker import request_export
@@ -37,7 +38,7 @@ def run_job(self: Any, job_id: int) -> str:
     workdir = settings.data_dir / "runs" / f"job-{job_id}-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        report = supervise(job, settings, workdir, keep_lease, core_range="all", env={})
+        report = supervise(job, settings, workdir, keep_lease, registry.core_group())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if report is None:

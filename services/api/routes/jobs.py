@@ -22,8 +22,9 @@ from services.api.schemas import (
 from shared import jobs as job_rules
 from shared.broker import enqueue_job, revoke_job
 from shared.enums import JobState
-from shared.hub import HubUnavailable, ModelNotFound, RevisionNotFound, resolve_model
+from shared.hub import HubUnavailable, ModelNotFound, RevisionNotFound
 from shared.models import Job
+from shared.submission import Request, UnsupportedTask, submit_model
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -41,23 +42,19 @@ def submit_jobs(
     body: JobCreate, session: SessionDep, settings: SettingsDep, producer: ProducerDep, response: Response
 ) -> JobsSubmitted:
     """One job per compiler version: 202 when any was created, 200 when all already existed."""
+    request = Request(**body.model_dump())
     try:
-        model = resolve_model(body.model_id, body.revision)
+        submitted = submit_model(session, settings, request)
     except (ModelNotFound, RevisionNotFound) as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-    except HubUnavailable as exc:
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from exc
-    try:
-        runtimes = job_rules.plan_runtimes(session, settings, body.compilers)
-    except job_rules.UnknownCompiler as exc:
+    except (job_rules.UnknownCompiler, UnsupportedTask) as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
-    except job_rules.NoRuntime as exc:
+    except (HubUnavailable, job_rules.NoRuntime) as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from exc
-    submitted = job_rules.submit(session, model, body.revision, runtimes, force=body.force)
     session.commit()
     created = [s.job for s in submitted if s.created]
     try:
-        for job in created:
+        for job in (s.job for s in submitted if s.enqueue):
             enqueue_job(producer, job.id, job.queue)
     except (BrokerError, RedisError, OSError) as exc:
         job_rules.withdraw(session, [j.id for j in created])

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from services.worker.runner.tasks import text_generation
+from services.worker.runner.tasks import feature_extraction, text_generation
 from shared.enums import Task
 
-TASKS: dict[str, ModuleType] = {Task.text_generation.value: text_generation}
+TASKS: dict[str, ModuleType] = {
+    Task.text_generation.value: text_generation,
+    Task.feature_extraction.value: feature_extraction,
+}
 
 
 def get_task(name: str) -> ModuleType:

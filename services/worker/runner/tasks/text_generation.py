@@ -8,7 +8,6 @@ tokens teacher-forced on the accelerator's prefix: the evidence ``verdict.decide
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 from typing import Any
 
 from services.worker.runner.backends.base import Backend
@@ -168,7 +167,3 @@ def reference(spec: dict[str, Any], backend: Backend) -> dict[str, Any]:
             "reference_peak_rss_bytes": peak_rss_bytes(),
         },
     }
-
-
-def prefill_path(workdir: Path) -> str:
-    return str(workdir / "prefill-logits.pt")

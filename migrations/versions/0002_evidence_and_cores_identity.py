@@ -1,8 +1,8 @@
-"""evidence, parallelism and judge columns
+"""evidence, parallelism, judge columns; cores in the job identity
 
 Revision ID: 0002
 Revises: 0001
-Create Date: 2026-11-29 18:04:39.364061
+Create Date: 2026-11-29 18:09:50.707251
 """
 
 from collections.abc import Sequence
@@ -26,6 +26,8 @@ def upgrade() -> None:
                existing_type=sa.VARCHAR(length=15),
                type_=sa.Enum('download', 'gated', 'not_found', 'load', 'compile', 'runtime', 'oom', 'timeout', 'crash', 'worker_lost', 'unsupported_parallelism', 'too_large', 'unsizable', 'internal', name='errorclass', native_enum=False, length=27),
                existing_nullable=True)
+        batch_op.drop_index('uq_jobs_active_identity')
+        batch_op.create_index('uq_jobs_active_identity', ['model_id', 'sha', 'compiler_version', 'library_version', 'task', 'cores'], unique=True, sqlite_where=sa.text("state IN ('queued', 'running')"), postgresql_where=sa.text("state IN ('queued', 'running')"))
 
     with op.batch_alter_table('results', schema=None) as batch_op:
         batch_op.add_column(sa.Column('parallelism', sa.String(length=16), nullable=True))
@@ -73,6 +75,8 @@ def downgrade() -> None:
         batch_op.drop_column('parallelism')
 
     with op.batch_alter_table('jobs', schema=None) as batch_op:
+        batch_op.drop_index('uq_jobs_active_identity', sqlite_where=sa.text("state IN ('queued', 'running')"), postgresql_where=sa.text("state IN ('queued', 'running')"))
+        batch_op.create_index('uq_jobs_active_identity', ['model_id', 'sha', 'compiler_version', 'library_version', 'task'], unique=True, sqlite_where=sa.text("state IN ('queued', 'running')"), postgresql_where=sa.text("state IN ('queued', 'running')"))
         batch_op.alter_column('error_class',
                existing_type=sa.Enum('download', 'gated', 'not_found', 'load', 'compile', 'runtime', 'oom', 'timeout', 'crash', 'worker_lost', 'unsupported_parallelism', 'too_large', 'unsizable', 'internal', name='errorclass', native_enum=False, length=27),
                type_=sa.VARCHAR(length=15),
