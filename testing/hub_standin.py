@@ -284,7 +284,7 @@ class _Handler(BaseHTTPRequestHandler):
             "tags": ["transformers", "safetensors", config.get("model_type", "unknown")],
             "config": config,
             "siblings": [{"rfilename": f.path} for f in files],
-            "safetensors": repo.safetensors(files),
+            "safetensors": repo.meta.get("safetensors") or repo.safetensors(files),
             "transformersInfo": {"auto_model": "AutoModelForCausalLM"} if causal else None,
         }
         if self.query.get("blobs") == ["true"]:

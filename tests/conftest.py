@@ -116,7 +116,9 @@ def hub(tiny_models: Path) -> Iterator[Any]:
     from testing.hub_standin import HubStandin
 
     standin = HubStandin(port=HUB_PORT)
-    standin.add_dir(tiny_models, org="org")
+    # One org per test module that submits jobs, so that de-duplication never links two modules' jobs.
+    for org in ("org", "pin", "host"):
+        standin.add_dir(tiny_models, org=org)
     standin.start()
     yield standin
     standin.stop()
@@ -136,11 +138,11 @@ def api(hub: Any) -> Iterator[Any]:
 
 
 class WorkerProcess:
-    def __init__(self, name: str, env: dict[str, str]) -> None:
+    def __init__(self, name: str, env: dict[str, str], cores: str = "0") -> None:
         self.name = name
         self.log = RUN_DIR / f"{name}.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.worker", "--name", name, "--loglevel", "INFO"],
+            [sys.executable, "-m", "services.worker", "--name", name, "--cores", cores, "--loglevel", "INFO"],
             cwd=ROOT,
             env={**os.environ, **env},
             stdout=self.log.open("wb"),
@@ -195,12 +197,13 @@ def worker(hub: Any) -> Iterator[WorkerProcess]:
     proc.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def start_worker(hub: Any) -> Iterator[Any]:
+    """Start extra workers for one test; they are stopped (and deregistered) when it ends."""
     started: list[WorkerProcess] = []
 
-    def start(name: str, **env: str) -> WorkerProcess:
-        proc = WorkerProcess(name, env)
+    def start(name: str, cores: str = "0", **env: str) -> WorkerProcess:
+        proc = WorkerProcess(name, env, cores)
         started.append(proc)
         return proc
 

@@ -59,6 +59,8 @@ def test_submitted_model_ends_in_a_pass_row_exported_to_parquet(api: Any, worker
     [live] = [w for w in api.get("/workers").json() if w["name"].startswith("w-main@")]
     assert live["compiler_version"] == row["neuronx_cc"] and live["queue"] == job["queue"]
     assert row["torch_version"].startswith("2.13.0") and row["host"]
+    assert row["visible_cores"] == "0" and row["core_range"] == "0"  # w-main owns core 0: the runner ran there
+    assert row["parallelism"] == "none" and row["tokens_match"] and row["prefill_rel_error"] < 1e-3
 
     # The worker asks the collector for an export after each result; the seed query reads it verbatim.
     from shared.settings import get_settings

@@ -13,8 +13,7 @@ import pytest
 
 from services.worker.runner.failures import RunFailure, classify
 from services.worker.runner.launch import run_child
-from services.worker.runner.verdict import compare_tokens, first_divergence
-from shared.enums import ErrorClass, Verdict
+from shared.enums import ErrorClass
 from tests.conftest import ROOT, RUN_DIR
 
 
@@ -63,7 +62,7 @@ def test_hub_model_is_downloaded_through_the_endpoint(hub: Any, tmp_path: Path) 
 @pytest.mark.parametrize(
     ("model", "error_class", "message"),
     [
-        ("org/tiny-broken", "load", "reference: "),
+        ("org/tiny-broken", "load", "weight headers are unreadable"),
         ("org/no-such-model", "not_found", "org/no-such-model@main"),
         ("org/gated-llama", "gated", "is gated"),
     ],
@@ -114,14 +113,6 @@ def test_a_child_over_its_time_limit_is_killed(tmp_path: Path) -> None:
     with pytest.raises(RunFailure) as info:
         run_child({"role": "describe", "backend": "cpu"}, {}, 0.2, tmp_path)
     assert info.value.error_class == ErrorClass.timeout
-
-
-def test_verdict_is_pass_only_when_every_token_matches() -> None:
-    assert compare_tokens([1, 2, 3], [1, 2, 3]).verdict == Verdict.PASS
-    assert compare_tokens([1, 2, 4], [1, 2, 3]) == compare_tokens([1, 2, 4, 5], [1, 2, 3, 5])
-    assert compare_tokens([1, 9, 3], [1, 2, 3]).first_divergence == 1
-    assert first_divergence([1, 2], [1, 2, 3]) == 2
-    assert first_divergence([], []) is None
 
 
 def test_exceptions_are_classified_by_phase_and_memory() -> None:

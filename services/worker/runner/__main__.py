@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import socket
+import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -67,7 +68,11 @@ def choose_cores(args: argparse.Namespace, checkpoint: Checkpoint, backend: Back
     if args.cores:
         return int(args.cores)
     memory = default_core_memory_bytes(backend.name, backend.settings.core_memory_gib)
-    sizing = size_model(checkpoint_shape(checkpoint.path), memory)
+    try:
+        shape = checkpoint_shape(checkpoint.path)
+    except (OSError, ValueError, KeyError, struct.error) as exc:
+        raise RunFailure(ErrorClass.load, f"the checkpoint's config or weight headers are unreadable: {exc}") from exc
+    sizing = size_model(shape, memory)
     if sizing.cores is None:
         raise RunFailure(ErrorClass.too_large, sizing.reason)
     return sizing.cores

@@ -1,0 +1,50 @@
+"""The host launcher re-plans a host's workers as the backlog changes, draining before reassigning cores."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+
+from services.worker.host import HostLauncher
+from shared.cores import CoreGroup
+from shared.db import new_session
+from shared.models import Worker
+from shared.settings import get_settings
+from tests.conftest import wait_for_job
+from tests.test_pipeline import FINISHED, submit
+
+
+def registered(prefix: str = "cores-") -> set[str]:
+    with new_session() as session:
+        names = session.scalars(sa.select(Worker.cores).where(Worker.name.startswith(prefix))).all()
+    return set(names)
+
+
+def step_until(launcher: HostLauncher, done: Callable[[], bool], what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        launcher.step()
+        if done():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"host launcher: {what} not reached; workers {set(launcher.workers)}")
+
+
+def test_the_host_replans_when_a_two_core_job_arrives_and_after_it_is_done(api: Any, worker: Any) -> None:
+    launcher = HostLauncher(get_settings(), total_cores=2)
+    try:
+        step_until(launcher, lambda: registered() == {"0", "1"}, "two 1-core workers")
+        [job] = submit(api, "host/tiny-qwen3", cores=2)
+        # the 1-core workers drain (warm shutdown) before their cores form the 2-core group
+        step_until(launcher, lambda: registered() == {"0-1"}, "one 2-core worker")
+        assert set(launcher.workers) == {CoreGroup(0, 2)}
+        step_until(launcher, lambda: api.get(f"/jobs/{job['id']}").json()["state"] in FINISHED, "the job's end")
+        done = wait_for_job(api, job["id"], FINISHED)
+        assert done["lease_owner"].startswith("cores-0-1@")
+        step_until(launcher, lambda: registered() == {"0", "1"}, "back to two 1-core workers")
+    finally:
+        launcher.stop()
+    assert registered() == set()

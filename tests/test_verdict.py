@@ -1,0 +1,76 @@
+"""The verdict rule, on constructed evidence: no model needed."""
+
+from __future__ import annotations
+
+from services.worker.runner.verdict import Evidence, JudgeOutcome, StepEvidence, Tolerances, decide, first_divergence
+from shared.enums import Verdict
+
+BF16 = Tolerances.for_dtype("bfloat16")
+FP32 = Tolerances.for_dtype("float32")
+TOKENS = list(range(32))
+
+
+def diverged(at: int) -> list[int]:
+    return [*TOKENS[:at], 999, *TOKENS[at + 1 :]]
+
+
+def judge(fluent: bool | None, reference_fluent: bool | None) -> JudgeOutcome:
+    return JudgeOutcome("openai", "m", "h", fluent, reference_fluent, "No / Yes", "garbled")
+
+
+def test_matching_tokens_pass() -> None:
+    decision = decide(Evidence(TOKENS, TOKENS, prefill_rel_error=1e-7), FP32)
+    assert decision.verdict == Verdict.PASS and decision.first_divergence is None
+
+
+def test_divergences_that_are_near_ties_pass_single_core() -> None:
+    step = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=0.1, rank=1)
+    evidence = Evidence(diverged(5), TOKENS, [step], accelerator_loglik=-2.0, reference_loglik=-2.05)
+    decision = decide(evidence, BF16)
+    assert decision.verdict == Verdict.PASS and decision.first_divergence == 5
+    assert "near tie" in decision.reason
+
+
+def test_a_divergence_that_is_not_a_near_tie_fails() -> None:
+    far = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=2.5, rank=1)
+    assert decide(Evidence(diverged(5), TOKENS, [far]), BF16).verdict == Verdict.FAIL
+    outside_top_k = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=0.1, rank=9)
+    decision = decide(Evidence(diverged(5), TOKENS, [outside_top_k]), BF16)
+    assert decision.verdict == Verdict.FAIL and "rank 9" in decision.reason
+    # the same gap is a near tie in bf16 but not in fp32, where drift is a million times smaller
+    near = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=0.1, rank=1)
+    assert decide(Evidence(diverged(5), TOKENS, [near]), FP32).verdict == Verdict.FAIL
+
+
+def test_prefill_error_and_non_finite_logits_fail_even_with_matching_tokens() -> None:
+    assert decide(Evidence(TOKENS, TOKENS, prefill_rel_error=0.2), BF16).verdict == Verdict.FAIL
+    assert decide(Evidence(TOKENS, TOKENS, finite=False), BF16).verdict == Verdict.FAIL
+
+
+def test_text_the_reference_finds_implausible_fails() -> None:
+    step = StepEvidence(step=3, accelerator_token=999, reference_token=3, gap=0.2, rank=1)
+    evidence = Evidence(diverged(3), TOKENS, [step], accelerator_loglik=-4.0, reference_loglik=-2.0)
+    decision = decide(evidence, BF16)
+    assert decision.verdict == Verdict.FAIL and "implausible" in decision.reason
+
+
+def test_the_judge_fails_a_sharded_run_only_when_the_reference_text_is_fluent() -> None:
+    base = {"generated": TOKENS, "reference": TOKENS, "sharded": True}
+    assert decide(Evidence(**base, judge=judge(False, True)), BF16).verdict == Verdict.FAIL
+    assert decide(Evidence(**base, judge=judge(False, False)), BF16).verdict == Verdict.PASS  # inconclusive
+    assert decide(Evidence(**base, judge=judge(True, True)), BF16).verdict == Verdict.PASS
+    # single-core runs are not judged
+    assert decide(Evidence(TOKENS, TOKENS, judge=judge(False, True)), BF16).verdict == Verdict.PASS
+
+
+def test_the_judge_never_turns_a_numeric_failure_into_a_pass() -> None:
+    evidence = Evidence(TOKENS, TOKENS, prefill_rel_error=0.5, sharded=True, judge=judge(True, True))
+    assert decide(evidence, BF16).verdict == Verdict.FAIL
+    nan = Evidence(TOKENS, TOKENS, finite=False, sharded=True, judge=judge(True, True))
+    assert decide(nan, BF16).verdict == Verdict.FAIL
+
+
+def test_first_divergence() -> None:
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    assert first_divergence([], []) is None
+    assert first_divergence([1, 9, 3], [1, 2, 3]) == 1
