@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from testing.services import Started, ensure_redis, free_port  # noqa: E402
 
 FINISHED = {"done", "failed", "cancelled"}
+DEMO_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-qwen3-moe")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,19 +70,21 @@ def main(argv: list[str] | None = None) -> int:
 
         step("building tiny checkpoints")
         from testing.hub_standin import HubStandin
-        from testing.tiny_models import MODELS, build
+        from testing.tiny_models import build
 
-        build(data_dir / "models")
+        build(data_dir / "models", list(DEMO_MODELS))
         hub = HubStandin(port=hub_port)
         hub.add_dir(data_dir / "models", org="demo")
         hub.start()
-        step(f"Hub stand-in at {hub.url} serving {', '.join('demo/' + m for m in MODELS)}")
+        step(f"Hub stand-in at {hub.url} serving {', '.join('demo/' + m for m in DEMO_MODELS)}")
 
         logs = data_dir / "logs"
         logs.mkdir()
+        host_cores = os.cpu_count() or 1
         started.processes += [
             spawn(logs / "api.log", "-m", "uvicorn", "services.api.main:app", "--port", str(api_port)),
-            spawn(logs / "worker.log", "-m", "services.worker", "--name", "demo-worker"),
+            # one worker per core group of this host (two 1-core groups on a 2-CPU machine)
+            spawn(logs / "workers.log", "-m", "services.worker.host", "--cores", str(host_cores), "--every", "5"),
             spawn(
                 logs / "collector.log", "-m", "celery", "-A", "services.worker.celery_app:app", "worker",
                 "--queues", "supportmatrix.export", "--pool", "solo", "--hostname", "demo-collector@%h",
@@ -90,12 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         api = f"http://127.0.0.1:{api_port}"
         wait_until(lambda: get(api, "/healthz", ok=True), 60, "the API to answer /healthz")
         step(f"API at {api}")
-        wait_until(lambda: get(api, "/workers"), 300, "the worker to register")
-        worker = get(api, "/workers")[0]
-        step(f"worker {worker['name']} serves {worker['compiler_version']}, transformers {worker['library_version']}")
+        wait_until(lambda: get(api, "/workers"), 300, "the workers to register")
+        workers = get(api, "/workers")
+        worker = workers[0]
+        names = ", ".join(f"{w['name']} (cores {w['cores']})" for w in workers)
+        step(f"workers {names} serve {worker['compiler_version']}, transformers {worker['library_version']}")
 
         ids = {}
-        for model in MODELS:
+        for model in DEMO_MODELS:
             response = post(api, "/jobs", {"model_id": f"demo/{model}"})
             ids[f"demo/{model}"] = response["jobs"][0]["id"]
         step(f"submitted {len(ids)} jobs; waiting (logs in {logs})")
@@ -190,11 +195,11 @@ def parquet_rows(export: Path) -> Any:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"    {'model':<20} {'result':<7} {'cores':>5} {'wall s':>7} {'compile s':>9} {'peak MiB':>8}  compiler")
+    print(f"    {'model':<22} {'result':<7} {'cores':>5} {'wall s':>7} {'compile s':>9} {'peak MiB':>8}  compiler")
     for r in sorted(rows, key=lambda r: r["model_id"]):
         peak = (r["peak_memory_bytes"] or 0) / 2**20
         print(
-            f"    {r['model_id']:<20} {r['result']:<7} {r['neuron_cores']:>5} {r['wall_s'] or 0:>7.1f} "
+            f"    {r['model_id']:<22} {r['result']:<7} {r['neuron_cores']:>5} {r['wall_s'] or 0:>7.1f} "
             f"{r['compile_s'] or 0:>9.1f} {peak:>8.0f}  {r['neuronx_cc']}"
         )
 

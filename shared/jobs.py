@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
@@ -184,6 +185,26 @@ def cancel(session: Session, job_id: int) -> Job:
     return job
 
 
+def job_report(job: Job, verdict: Verdict, error_class: ErrorClass, message: str, **extra: Any) -> RunReport:
+    """The report of a job that ended without a runner's report: settled, timed out, crashed, lost."""
+    return RunReport(
+        model_id=job.model_id,
+        sha=job.sha,
+        revision=job.revision,
+        task=job.task,
+        backend=job.backend,
+        verdict=verdict,
+        error_class=error_class,
+        error_message=message,
+        cores=job.cores,
+        compiler_name=job.compiler_name,
+        compiler_version=job.compiler_version,
+        library=job.library,
+        library_version=job.library_version,
+        **extra,
+    )
+
+
 # --- the lease -----------------------------------------------------------------------------------------
 
 
@@ -209,20 +230,7 @@ def acquire_lease(session: Session, job_id: int, owner: str, settings: Settings)
         job = session.get(Job, job_id)
         assert job is not None
         message = f"delivered {job.attempts} times without finishing; the workers running it were lost"
-        finish(
-            session,
-            job_id,
-            owner,
-            RunReport(
-                model_id=job.model_id,
-                task=job.task,
-                backend=job.backend,
-                verdict=Verdict.ERROR,
-                error_class=ErrorClass.worker_lost,
-                error_message=message,
-                cores=job.cores,
-            ),
-        )
+        finish(session, job_id, owner, job_report(job, Verdict.ERROR, ErrorClass.worker_lost, message))
         return None
     taken = session.execute(
         sa.update(Job)

@@ -14,7 +14,6 @@ from sqlalchemy.orm import Session
 from shared import jobs
 from shared.enums import ErrorClass, Task, Verdict
 from shared.hub import ResolvedModel, Unsizable, model_shape, resolve_model
-from shared.runtime import RunReport
 from shared.settings import Settings
 from shared.sizing import default_core_memory_bytes, size_model
 
@@ -84,8 +83,6 @@ def settle(session: Session, submitted: jobs.Submitted, verdict: Verdict, error_
     job = submitted.job
     job.lease_owner = SUBMISSION_OWNER
     session.flush()
-    report = RunReport(model_id=job.model_id, sha=job.sha, task=job.task, backend=job.backend, verdict=verdict,
-                       error_class=error_class, error_message=reason, cores=job.cores)  # fmt: skip
-    jobs.finish(session, job.id, SUBMISSION_OWNER, report)
+    jobs.finish(session, job.id, SUBMISSION_OWNER, jobs.job_report(job, verdict, error_class, reason))
     session.refresh(job)
     submitted.enqueue = False

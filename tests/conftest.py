@@ -96,6 +96,22 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(RUN_DIR, ignore_errors=True)
 
 
+@pytest.fixture
+def session(tmp_path: Path) -> Iterator[Any]:
+    """A migrated SQLite database of this test's own, for rules that need no services."""
+    from sqlalchemy.orm import Session
+
+    from shared.db import make_engine
+    from shared.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'rules.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    with Session(engine, expire_on_commit=False) as s:
+        yield s
+    engine.dispose()
+
+
 # --- checkpoints and the Hub ---------------------------------------------------------------------------
 
 

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
-import pytest
 from sqlalchemy.orm import Session
 
 from shared import jobs
-from shared.db import make_engine
 from shared.enums import ErrorClass, Verdict
 from shared.export import export_results
 from shared.hub import ResolvedModel
-from shared.migrate import upgrade
 from shared.records import COLUMNS
 from shared.runtime import RunReport, RuntimeInfo
 from shared.settings import Settings
@@ -30,16 +26,6 @@ def runtime(compiler: str, library: str) -> RuntimeInfo:
         library_version=library,
         torch_version="2.13.0",
     )
-
-
-@pytest.fixture
-def session(tmp_path: Path) -> Iterator[Session]:
-    url = f"sqlite:///{tmp_path / 'export.db'}"
-    upgrade(url)
-    engine = make_engine(url)
-    with Session(engine, expire_on_commit=False) as s:
-        yield s
-    engine.dispose()
 
 
 def record(session: Session, model: str, rt: RuntimeInfo, verdict: Verdict, force: bool = False) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,10 +10,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shared import jobs
-from shared.db import make_engine
 from shared.enums import ErrorClass, JobState, Verdict
 from shared.hub import ResolvedModel
-from shared.migrate import upgrade
 from shared.models import Job, Result, Worker, utcnow
 from shared.runtime import RunReport, RuntimeInfo
 from shared.settings import Settings
@@ -27,16 +24,6 @@ RUNTIME = RuntimeInfo(
     torch_version="2.13.0+cpu",
 )
 MODEL = ResolvedModel(model_id="org/m", sha="a" * 40, gated=False, pipeline_tag="text-generation")
-
-
-@pytest.fixture
-def session(tmp_path: Path) -> Iterator[Session]:
-    url = f"sqlite:///{tmp_path / 'rules.db'}"
-    upgrade(url)
-    engine = make_engine(url)
-    with Session(engine, expire_on_commit=False) as s:
-        yield s
-    engine.dispose()
 
 
 @pytest.fixture

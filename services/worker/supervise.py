@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from shared.cores import CoreGroup, cpu_set, pin_environment
 from shared.enums import ErrorClass, Verdict
+from shared.jobs import job_report
 from shared.models import Job
 from shared.processes import describe_exit
 from shared.runtime import RunReport
@@ -50,22 +51,7 @@ def runner_command(job: Job, report_path: Path, group: CoreGroup) -> list[str]:
 
 
 def error_report(job: Job, error_class: ErrorClass, message: str, group: CoreGroup) -> RunReport:
-    return RunReport(
-        model_id=job.model_id,
-        sha=job.sha,
-        revision=job.revision,
-        task=job.task,
-        backend=job.backend,
-        verdict=Verdict.ERROR,
-        error_class=error_class,
-        error_message=message,
-        cores=job.cores,
-        core_range=str(group),
-        compiler_name=job.compiler_name,
-        compiler_version=job.compiler_version,
-        library=job.library,
-        library_version=job.library_version,
-    )
+    return job_report(job, Verdict.ERROR, error_class, message, core_range=str(group))
 
 
 def supervise(

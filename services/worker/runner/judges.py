@@ -45,7 +45,32 @@ class LikelihoodJudge:
         )
 
 
-class LocalLMJudge:
+class QuestionJudge:
+    """A judge that asks a model QUESTION about each text; subclasses say how to ask."""
+
+    kind: JudgeKind
+    model_id: str
+
+    def _ask(self, text: str) -> tuple[bool | None, str]:
+        raise NotImplementedError
+
+    def judge(self, text: str, reference_text: str, loglik: float, reference_loglik: float) -> JudgeOutcome:
+        fluent, answer = self._ask(text)
+        reference_fluent, reference_answer = self._ask(reference_text)
+        return JudgeOutcome(
+            kind=self.kind.value,
+            model=self.model_id,
+            prompt_hash=PROMPT_HASH,
+            fluent=fluent,
+            reference_fluent=reference_fluent,
+            answer=f"{answer} / {reference_answer}"[:4000],
+            rationale=f"accelerator: {answer}; reference: {reference_answer}"[:1000],
+        )
+
+
+class LocalLMJudge(QuestionJudge):
+    kind = JudgeKind.local
+
     def __init__(self, model_id: str) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -53,7 +78,7 @@ class LocalLMJudge:
         self.tokenizer = AutoTokenizer.from_pretrained(model_id)
         self.model = AutoModelForCausalLM.from_pretrained(model_id).eval()
 
-    def _ask(self, text: str) -> tuple[bool, str]:
+    def _ask(self, text: str) -> tuple[bool | None, str]:
         import torch
 
         ids = self.tokenizer(QUESTION.format(text=text), return_tensors="pt")
@@ -63,24 +88,13 @@ class LocalLMJudge:
         p = torch.softmax(logits[[yes, no]], -1)
         return bool(p[0] > p[1]), f"{'Yes' if p[0] > p[1] else 'No'} (P(Yes)={p[0]:.2f})"
 
-    def judge(self, text: str, reference_text: str, loglik: float, reference_loglik: float) -> JudgeOutcome:
-        fluent, answer = self._ask(text)
-        reference_fluent, reference_answer = self._ask(reference_text)
-        return JudgeOutcome(
-            kind=JudgeKind.local.value,
-            model=self.model_id,
-            prompt_hash=PROMPT_HASH,
-            fluent=fluent,
-            reference_fluent=reference_fluent,
-            answer=f"{answer} / {reference_answer}",
-            rationale=f"accelerator: {answer}; reference: {reference_answer}",
-        )
 
+class OpenAIJudge(QuestionJudge):
+    kind = JudgeKind.openai
 
-class OpenAIJudge:
     def __init__(self, url: str, model: str, token: str | None, timeout_s: float = 60.0) -> None:
         self.url = url.rstrip("/") + "/chat/completions"
-        self.model = model
+        self.model_id = model
         self.token = token
         self.timeout_s = timeout_s
 
@@ -89,7 +103,7 @@ class OpenAIJudge:
 
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": self.model_id,
             "messages": [{"role": "user", "content": QUESTION.format(text=text)}],
             "temperature": 0,
             "max_tokens": 60,
@@ -99,19 +113,6 @@ class OpenAIJudge:
         answer = response.json()["choices"][0]["message"]["content"].strip()
         first = answer.split(maxsplit=1)[0].strip(".,:;!").lower() if answer else ""
         return {"yes": True, "no": False}.get(first), answer
-
-    def judge(self, text: str, reference_text: str, loglik: float, reference_loglik: float) -> JudgeOutcome:
-        fluent, answer = self._ask(text)
-        reference_fluent, reference_answer = self._ask(reference_text)
-        return JudgeOutcome(
-            kind=JudgeKind.openai.value,
-            model=self.model,
-            prompt_hash=PROMPT_HASH,
-            fluent=fluent,
-            reference_fluent=reference_fluent,
-            answer=f"{answer} / {reference_answer}"[:4000],
-            rationale=f"accelerator: {answer}"[:1000],
-        )
 
 
 def make_judge(settings: Settings) -> Judge:

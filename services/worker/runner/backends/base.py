@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from shared.runtime import RuntimeInfo
+from shared.runtime import LIBRARY, RuntimeInfo
 from shared.settings import Settings
 
 
@@ -15,6 +15,7 @@ class Backend(ABC):
     device: str  # where the accelerator run places the model
     collective: str  # torch.distributed backend for sharded runs
     dtype: str = "float32"  # run dtype of both the accelerator and the CPU reference
+    compile_backend: str  # what torch.compile is given
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -32,12 +33,28 @@ class Backend(ABC):
         """Environment of the accelerator process: compile caches, fallback switches."""
 
     @abstractmethod
-    def describe(self) -> RuntimeInfo:
-        """Compiler and library versions; imports torch, so call it in a runner process only."""
+    def compiler(self) -> tuple[str, str]:
+        """The compiler's name and full version; may import torch, so call it in a runner process only."""
 
-    @abstractmethod
+    def describe(self) -> RuntimeInfo:
+        import torch
+        import transformers
+
+        compiler_name, compiler_version = self.compiler()
+        return RuntimeInfo(
+            backend=self.name,
+            compiler_name=compiler_name,
+            compiler_version=compiler_version,
+            library=LIBRARY,
+            library_version=transformers.__version__,
+            torch_version=torch.__version__,
+        )
+
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """The backend's torch.compile of ``fn`` with static shapes and a full graph."""
+        """The backend's torch.compile of ``fn``: a full graph, static shapes."""
+        import torch
+
+        return torch.compile(fn, backend=self.compile_backend, fullgraph=True, dynamic=False)
 
     def synchronize(self) -> None:  # noqa: B027 - the CPU has nothing to wait for
         pass
@@ -52,3 +69,22 @@ class Backend(ABC):
 
     def prepare_process(self) -> None:  # noqa: B027 - most backends need nothing
         """Per-process setup of an accelerator rank before torch does any work."""
+
+
+class DeviceBackend(Backend):
+    """A backend with its own device memory, read through torch.<device> (cuda, neuron)."""
+
+    def _module(self) -> Any:
+        import torch
+
+        return getattr(torch, self.device)
+
+    def synchronize(self) -> None:
+        self._module().synchronize()
+
+    def peak_memory_bytes(self) -> int:
+        self.synchronize()
+        return int(self._module().max_memory_allocated())
+
+    def visible_cores(self) -> str:
+        return f"{self._module().device_count()} device(s)"

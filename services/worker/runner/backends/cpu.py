@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
 
 from services.worker.runner.backends.base import Backend
 from services.worker.runner.measure import peak_rss_bytes
 from shared.cores import format_cpus
-from shared.runtime import LIBRARY, RuntimeInfo
 
 
 class CpuBackend(Backend):
@@ -18,7 +15,7 @@ class CpuBackend(Backend):
     collective = "gloo"
 
     @property
-    def compile_backend(self) -> str:
+    def compile_backend(self) -> str:  # type: ignore[override]
         return self.settings.cpu_compile_backend
 
     def reproduce_env(self) -> dict[str, str]:
@@ -31,23 +28,10 @@ class CpuBackend(Backend):
         # Inductor writes precompiled headers under TMPDIR whatever its cache dir says: keep both together.
         return {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TMPDIR": str(inductor / "tmp")}
 
-    def describe(self) -> RuntimeInfo:
-        import torch
-        import transformers
-
-        return RuntimeInfo(
-            backend=self.name,
-            compiler_name=self.compile_backend,
-            compiler_version=f"{self.compile_backend}-{torch.__version__}",
-            library=LIBRARY,
-            library_version=transformers.__version__,
-            torch_version=torch.__version__,
-        )
-
-    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def compiler(self) -> tuple[str, str]:
         import torch
 
-        return torch.compile(fn, backend=self.compile_backend, fullgraph=True, dynamic=False)
+        return self.compile_backend, f"{self.compile_backend}-{torch.__version__}"
 
     def peak_memory_bytes(self) -> int:
         return peak_rss_bytes()

@@ -1,7 +1,7 @@
 """The Trainium backend: TorchNeuron (`torch-neuronx`), `torch.compile(backend="neuron")`.
 
-Runs only where torch-neuronx is installed (the image from Dockerfile.neuron); nothing here imports it
-before a runner process asks for it.
+Runs only where torch-neuronx is installed (the trn2 image); nothing here imports it before a runner
+process asks for it.
 """
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from services.worker.runner.backends.base import Backend
-from shared.runtime import LIBRARY, RuntimeInfo
+from services.worker.runner.backends.base import DeviceBackend
 
 
-class NeuronBackend(Backend):
+class NeuronBackend(DeviceBackend):
     name = "neuron"
     device = "neuron"
     collective = "neuron"
     dtype = "bfloat16"
+    compile_backend = "neuron"
 
     def reference_env(self) -> dict[str, str]:
         # torch-neuronx registers itself as torch's accelerator on import; the reference must stay on the CPU.
@@ -32,38 +32,12 @@ class NeuronBackend(Backend):
             "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(cache / "neff-locks"),
         }
 
-    def describe(self) -> RuntimeInfo:
+    def compiler(self) -> tuple[str, str]:
         import neuronxcc  # the full version, with its +hash, as the NEFF cache namespaces it
-        import torch
-        import transformers
 
-        return RuntimeInfo(
-            backend=self.name,
-            compiler_name="neuronx-cc",
-            compiler_version=str(neuronxcc.__version__),
-            library=LIBRARY,
-            library_version=transformers.__version__,
-            torch_version=torch.__version__,
-        )
+        return "neuronx-cc", str(neuronxcc.__version__)
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        import torch
         import torch_neuronx  # noqa: F401 - registers the "neuron" device and dynamo backend
 
-        return torch.compile(fn, backend="neuron", fullgraph=True, dynamic=False)
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.neuron.synchronize()
-
-    def peak_memory_bytes(self) -> int:
-        import torch
-
-        torch.neuron.synchronize()
-        return int(torch.neuron.max_memory_allocated())
-
-    def visible_cores(self) -> str:
-        import torch
-
-        return f"{torch.neuron.device_count()} device(s)"
+        return super().compile(fn)

@@ -12,7 +12,7 @@ from typing import Any
 
 from services.worker.runner.backends.base import Backend
 from services.worker.runner.failures import phase
-from services.worker.runner.measure import Stopwatch, peak_rss_bytes
+from services.worker.runner.measure import Stopwatch, accelerator_timings, peak_rss_bytes
 from services.worker.runner.verdict import Evidence, StepEvidence, Tolerances, decide
 from shared.enums import ErrorClass, Parallelism
 
@@ -80,10 +80,7 @@ def accelerator(spec: dict[str, Any], backend: Backend) -> dict[str, Any]:
         "text": tokenizer.decode(tokens, skip_special_tokens=True),
         "finite": all(bool(torch.isfinite(step).all()) for step in logits),
         "parallelism": kind.value,
-        "load_s": clock.seconds["load"],
-        "compile_s": max(clock.seconds["first"] - clock.seconds["generate"], 0.0),
-        "generate_s": clock.seconds["generate"],
-        "wall_s": clock.seconds["load"] + clock.seconds["first"],
+        **accelerator_timings(clock),
         "peak_memory_bytes": backend.peak_memory_bytes(),
         "visible_cores": backend.visible_cores(),
     }
