@@ -97,11 +97,17 @@ class Unsizable(HubError):
     pass
 
 
+class Gated(HubError):
+    pass
+
+
 def model_shape(model: ResolvedModel, timeout_s: float = 20.0) -> ModelShape:
     """Size inputs without downloading weights: safetensors metadata (or weight file sizes) + config.json."""
     try:
         config_path = hf_hub_download(model.model_id, "config.json", revision=model.sha, etag_timeout=timeout_s)
         config = json.loads(Path(config_path).read_text())
+    except GatedRepoError as exc:
+        raise Gated(f"{model.model_id} is gated and the configured token (HF_TOKEN) may not read it") from exc
     except (HfHubHTTPError, OSError, ValueError) as exc:
         raise Unsizable(f"{model.model_id} has no readable config.json: {exc}") from exc
     parameters = sum(model.parameters.values())

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from shared import jobs
 from shared.enums import ErrorClass, Task, Verdict
-from shared.hub import ResolvedModel, Unsizable, model_shape, resolve_model
+from shared.hub import Gated, ResolvedModel, Unsizable, model_shape, resolve_model
 from shared.settings import Settings
 from shared.sizing import default_core_memory_bytes, size_model
 
@@ -68,6 +68,8 @@ def submit_model(session: Session, settings: Settings, request: Request) -> list
                 refusal = (Verdict.SKIPPED, ErrorClass.too_large, sizing.reason)
         except Unsizable as exc:
             refusal = (Verdict.ERROR, ErrorClass.unsizable, str(exc))
+        except Gated as exc:
+            refusal = (Verdict.ERROR, ErrorClass.gated, str(exc))
     submitted = jobs.submit(session, model, request.revision, runtimes, force=request.force, task=task.value,
                             cores=cores or 1)  # fmt: skip
     if refusal is not None:

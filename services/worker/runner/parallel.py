@@ -13,7 +13,6 @@ tensor-parallel (`ep_tp`, `DistributedConfig(tp_size=n, ep_size=n)`). Traps hand
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from services.worker.runner.failures import RunFailure
@@ -59,9 +58,7 @@ def load_sharded(model_cls: Any, model_dir: str, dtype: Any, world_size: int, ki
     import transformers
 
     kwargs: dict[str, Any]
-    if "distributed_config" in inspect.signature(model_cls.from_pretrained).parameters or hasattr(
-        transformers, "DistributedConfig"
-    ):
+    if hasattr(transformers, "DistributedConfig"):
         from transformers import DistributedConfig
 
         if kind == Parallelism.tp:
