@@ -1,8 +1,9 @@
 """The collector's export: Parquet files readers of the public dataset can load unchanged.
 
-One file per (compiler version, library, library version) under ``<export dir>/data/``, holding the
-latest result of each (model, task) for that combination. A file is replaced atomically (temp + rename)
-and only when its rows changed, so readers never see half a file and unchanged files keep their mtime.
+One file per (compiler version, library, library version) under ``<export dir>/data/``, holding one row
+per (model, task) for that combination: its newest run, with the cell's status as ``result``. A file is
+replaced atomically (temp + rename) and only when its rows changed, so readers never see half a file and
+unchanged files keep their mtime.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import pyarrow.parquet as pq
 from sqlalchemy.orm import Session
 
+from shared.cells import cell_status
 from shared.records import query_results, to_table
 
 
@@ -34,12 +36,21 @@ def file_name(compiler_version: str, library: str, library_version: str) -> str:
 
 
 def latest_per_cell(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Group newest-first records by file; keep the newest per (model, task) in each."""
-    files: dict[str, dict[tuple[str, str], dict[str, Any]]] = {}
+    """Group newest-first records by file; one row per (model, task): the newest run, whose ``result``
+    is the cell's status over all runs of that commit (FLAKY when they disagree)."""
+    files: dict[str, dict[tuple[str, str], list[dict[str, Any]]]] = {}
     for rec in records:
         name = file_name(rec["neuronx_cc"], rec["library"], rec["library_version"])
-        files.setdefault(name, {}).setdefault((rec["model_id"], rec["task"]), rec)
-    return {name: sorted(cells.values(), key=lambda r: (r["model_id"], r["task"])) for name, cells in files.items()}
+        files.setdefault(name, {}).setdefault((rec["model_id"], rec["task"]), []).append(rec)
+    out = {}
+    for name, groups in files.items():
+        rows = []
+        for runs in groups.values():
+            newest = runs[0]
+            verdicts = [r["result"] for r in runs if r["revision"] == newest["revision"]]
+            rows.append({**newest, "result": cell_status(verdicts).value})
+        out[name] = sorted(rows, key=lambda r: (r["model_id"], r["task"]))
+    return out
 
 
 def export_results(session: Session, export_dir: Path) -> ExportSummary:

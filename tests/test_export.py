@@ -7,41 +7,12 @@ from pathlib import Path
 import pandas as pd
 from sqlalchemy.orm import Session
 
-from shared import jobs
-from shared.enums import ErrorClass, Verdict
+from shared.enums import Verdict
 from shared.export import export_results
-from shared.hub import ResolvedModel
 from shared.records import COLUMNS
-from shared.runtime import RunReport, RuntimeInfo
-from shared.settings import Settings
+from tests.history import record, runtime
 
 PUBLIC = ["model_id", "neuronx_cc", "library", "library_version", "neuron_cores", "result"]
-
-
-def runtime(compiler: str, library: str) -> RuntimeInfo:
-    return RuntimeInfo(
-        backend="neuron",
-        compiler_name="neuronx-cc",
-        compiler_version=compiler,
-        library_version=library,
-        torch_version="2.13.0",
-    )
-
-
-def record(session: Session, model: str, rt: RuntimeInfo, verdict: Verdict, force: bool = False) -> None:
-    settings = Settings()
-    resolved = ResolvedModel(model_id=model, sha="b" * 40, gated=False, pipeline_tag=None)
-    [sub] = jobs.submit(session, resolved, None, [rt], force=force)
-    jobs.acquire_lease(session, sub.job.id, "w", settings)
-    error = ErrorClass.compile if verdict == Verdict.ERROR else None
-    jobs.finish(
-        session,
-        sub.job.id,
-        "w",
-        RunReport(model_id=model, task="text-generation", backend="neuron", verdict=verdict, error_class=error,
-                  cores=2, wall_s=12.5, peak_memory_bytes=3 << 30),
-    )  # fmt: skip
-    session.commit()
 
 
 def test_one_file_per_compiler_and_library_version_read_by_the_seed_query(session: Session, tmp_path: Path) -> None:
@@ -77,9 +48,12 @@ def test_files_are_rewritten_only_when_their_rows_change(session: Session, tmp_p
     assert second.written == [] and sorted(second.unchanged) == sorted(first.written)
     assert {p: p.stat().st_mtime_ns for p in second.unchanged} == stamps
 
-    record(session, "org/one", a, Verdict.FAIL, force=True)  # a rerun: the newest result wins
+    record(session, "org/one", a, Verdict.FAIL, force=True)  # a rerun of the same commit that disagrees
     third = export_results(session, export)
     [changed] = third.written
     assert changed.name.startswith("2.21.0+x--transformers-5.24.0")
-    assert pd.read_parquet(changed).result.tolist() == ["FAIL"]
+    assert pd.read_parquet(changed).result.tolist() == ["FLAKY"]
+    record(session, "org/one", a, Verdict.FAIL, sha="c" * 40)  # a new commit starts the cell afresh
+    [fresh] = export_results(session, export).written
+    assert pd.read_parquet(fresh).result.tolist() == ["FAIL"]
     assert sorted(p.name for p in (export / "data").iterdir()) == sorted(p.name for p in first.written)

@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Response
 
 from services.api.deps import SessionDep, SettingsDep
 from services.api.schemas import CompilerVersion, ModelId, ResultPage, error_responses
+from shared.cells import cells, diff
 from shared.enums import Verdict
 from shared.records import query_results, to_csv, to_parquet_bytes
 
 router = APIRouter(prefix="/results", tags=["results"])
 
 NEXT_CURSOR_HEADER = "X-Next-Cursor"
+
+
+@router.get("/diff", responses=error_responses(422, 503))
+def diff_results(
+    session: SessionDep,
+    from_: Annotated[CompilerVersion, Query(alias="from", description="the older version")],
+    to: Annotated[CompilerVersion, Query(description="the newer version")],
+    axis: Literal["compiler", "library"] = "compiler",
+) -> dict[str, Any]:
+    """Models that regressed (PASS → FAIL/ERROR) or were fixed between two compiler or library versions;
+    cells whose repeated runs disagree are listed as FLAKY."""
+    by = "compiler" if axis == "compiler" else "library_version"
+    changes = diff(cells(session, **{by: from_}), cells(session, **{by: to}), axis)
+    return {"axis": axis, "from": from_, "to": to, **changes}
 
 
 @router.get(

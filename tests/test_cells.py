@@ -1,0 +1,60 @@
+"""Cells, FLAKY and the diff between versions, on constructed histories."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from shared.cells import CellStatus, cell_status, cells, diff, flips
+from shared.db import new_session
+from shared.enums import Verdict
+from shared.runtime import RuntimeInfo
+from tests.history import record, runtime
+
+OLD, NEW = "2.21.0+old", "2.22.0+new"
+
+
+def history(session: Session, old: RuntimeInfo, new: RuntimeInfo, prefix: str) -> None:
+    """The same six models tested under ``old`` and then ``new``."""
+    for model, before, after in [
+        ("regress", [Verdict.PASS], [Verdict.FAIL]),
+        ("crash", [Verdict.PASS], [Verdict.ERROR]),
+        ("fix", [Verdict.ERROR], [Verdict.PASS]),
+        ("steady", [Verdict.PASS], [Verdict.PASS, Verdict.PASS]),
+        ("flaky", [Verdict.PASS], [Verdict.PASS, Verdict.FAIL, Verdict.PASS]),
+        ("skipped", [Verdict.SKIPPED], [Verdict.FAIL]),
+    ]:
+        for rt, verdicts in ((old, before), (new, after)):
+            for i, verdict in enumerate(verdicts):
+                record(session, f"{prefix}/{model}", rt, verdict, force=i > 0)
+
+
+def test_a_cell_is_flaky_when_its_runs_disagree() -> None:
+    assert cell_status(["PASS", "PASS"]) == CellStatus.PASS
+    assert cell_status(["PASS", "FAIL", "PASS"]) == CellStatus.FLAKY
+    assert flips(["PASS", "FAIL", "PASS"]) == 2 and flips(["FAIL", "FAIL"]) == 0
+
+
+def test_diff_lists_regressions_fixes_and_flaky_cells(session: Session) -> None:
+    history(session, runtime(OLD, "5.24.0"), runtime(NEW, "5.24.0"), "org")
+    changes = diff(cells(session, compiler=OLD), cells(session, compiler=NEW), "compiler")
+    names = {k: sorted(e["model_id"].split("/")[1] for e in v) for k, v in changes.items()}
+    assert names == {"regressed": ["crash", "regress"], "fixed": ["fix"], "flaky": ["flaky"], "changed": ["skipped"]}
+    [flaky] = [c for c in cells(session, compiler=NEW) if c.model_id.endswith("/flaky")]
+    assert flaky.status == CellStatus.FLAKY and flaky.runs == 3 and flaky.flips == 2
+
+
+def test_the_diff_endpoint_over_compilers_and_library_versions(api: Any) -> None:
+    with new_session() as session:  # record() commits each run
+        history(session, runtime("9.0+a", "5.24.0"), runtime("9.1+b", "5.24.0"), "diffc")
+        history(session, runtime("9.3+d", "5.24.0"), runtime("9.3+d", "5.30.0"), "diffl")
+    body = api.get("/results/diff", params={"from": "9.0+a", "to": "9.1+b"}).json()
+    assert body["axis"] == "compiler"
+    assert {e["model_id"] for e in body["regressed"]} == {"diffc/crash", "diffc/regress"}
+    assert [e["model_id"] for e in body["flaky"]] == ["diffc/flaky"] and body["flaky"][0]["to"] == "FLAKY"
+    by_library = api.get("/results/diff", params={"from": "5.24.0", "to": "5.30.0", "axis": "library"}).json()
+    assert by_library["axis"] == "library" and [e["model_id"] for e in by_library["fixed"]] == ["diffl/fix"]
+    assert {e["model_id"] for e in by_library["regressed"]} == {"diffl/crash", "diffl/regress"}
+    assert api.get("/results/diff", params={"from": "9.0+a"}).status_code == 422  # "to" is required
+    assert api.get("/results/diff", params={"from": "x y", "to": "z"}).status_code == 422
