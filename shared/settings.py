@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     # cpu backend threads per accelerator rank (0: torch's default); a benign-noise knob for tests.
     cpu_threads: int = Field(0, ge=0)
 
+    # The Hub dataset repo the collector pushes the export to (none: export locally only), and its token.
+    publish_repo: str | None = None
+    publish_token: str | None = None
+
     api_max_body_bytes: int = Field(65536, gt=0)
     page_limit_max: int = Field(1000, gt=0)
 

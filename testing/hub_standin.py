@@ -12,12 +12,14 @@ for ~25 s): its own faults are 400s.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import datetime as dt
 import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import struct
 import sys
@@ -116,8 +118,11 @@ class Repo:
 class HubStandin:
     """Serve repos over HTTP on 127.0.0.1 in a background thread."""
 
-    def __init__(self, port: int = 0, token: str | None = None) -> None:
+    def __init__(self, port: int = 0, token: str | None = None, upload_dir: Path | None = None) -> None:
         self.repos: dict[str, Repo] = {}
+        self.datasets: dict[str, Repo] = {}  # created through the API, written by commits
+        self.upload_dir = upload_dir  # where they live; None: this stand-in takes no uploads
+        self.commits: list[tuple[str, str]] = []  # (repo id, summary) of every commit
         self.token = token  # the one token that may read gated repos
         self.requests: list[tuple[str, str]] = []  # (method, path), for tests that count calls
         self._lock = threading.Lock()
@@ -164,7 +169,17 @@ class HubError(Exception):
 
 
 _REPO = r"(?P<repo>[^/]+/[^/]+)"
+_DATASET = r"(?P<repo>[^/]+/[^/]+)"
 _ROUTES = [
+    ("POST", re.compile(r"^/api/repos/create$"), "create_repo"),
+    ("POST", re.compile(r"^/api/validate-yaml$"), "validate_yaml"),
+    ("POST", re.compile(rf"^/api/datasets/{_DATASET}/preupload/(?P<rev>[^/]+)$"), "preupload"),
+    ("POST", re.compile(rf"^/api/datasets/{_DATASET}/commit/(?P<rev>[^/]+)$"), "commit"),
+    ("GET", re.compile(rf"^/api/datasets/{_DATASET}/revision/(?P<rev>[^/]+)$"), "dataset_info"),
+    ("GET", re.compile(rf"^/api/datasets/{_DATASET}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?$"), "dataset_tree"),
+    ("GET", re.compile(rf"^/api/datasets/{_DATASET}$"), "dataset_info"),
+    ("HEAD", re.compile(rf"^/datasets/{_DATASET}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "dataset_resolve"),
+    ("GET", re.compile(rf"^/datasets/{_DATASET}/resolve/(?P<rev>[^/]+)/(?P<path>.+)$"), "dataset_resolve"),
     ("GET", re.compile(r"^/api/models/?$"), "list_models"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/revision/(?P<rev>[^/]+)$"), "model_info"),
     ("GET", re.compile(rf"^/api/models/{_REPO}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?$"), "tree"),
@@ -197,6 +212,7 @@ class _Handler(BaseHTTPRequestHandler):
         # Always drain the body: on a kept-alive connection an unread body becomes the next request line.
         length = int(self.headers.get("Content-Length") or 0)
         self.body = self.rfile.read(length) if length else b""
+        self.dataset = False
         url = urlsplit(self.path)
         path = unquote(url.path)
         self.query = parse_qs(url.query)
@@ -228,18 +244,11 @@ class _Handler(BaseHTTPRequestHandler):
         if method != "HEAD":
             self.wfile.write(body)
 
-    def _json(self, payload: Any, headers: dict[str, str] | None = None) -> None:
-        body = json.dumps(payload).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        self.end_headers()
-        self.wfile.write(body)
+    def _json(self, payload: Any) -> None:
+        self._json_status(200, payload)
 
     def _repo(self, repo_id: str) -> Repo:
-        repo = self.hub.repos.get(repo_id)
+        repo = self.hub.repos.get(repo_id) if not getattr(self, "dataset", False) else self.hub.datasets.get(repo_id)
         if repo is None or not repo.root.is_dir():
             raise HubError(404, "RepoNotFound", f"Repository Not Found for url: {self.path}")
         return repo
@@ -350,6 +359,98 @@ class _Handler(BaseHTTPRequestHandler):
         if prefix and not entries:
             raise HubError(404, "EntryNotFound", f"{prefix} does not exist in {repo}")
         self._json(list(entries.values()))
+
+    # --- datasets: created, written by commits, read back -------------------------------------------
+
+    def _authorized(self) -> None:
+        if self.hub.token and self.headers.get("Authorization") != f"Bearer {self.hub.token}":
+            raise HubError(401, "Unauthorized", "a write token is required")
+
+    def create_repo(self) -> None:
+        self._authorized()
+        body = json.loads(self.body or b"{}")
+        if body.get("type") != "dataset" or self.hub.upload_dir is None:
+            raise HubError(400, "BadRequest", "this stand-in creates dataset repos only")
+        repo_id = f"{body.get('organization') or 'user'}/{body['name']}"
+        url = f"http://{self.headers['Host']}/datasets/{repo_id}"
+        if repo_id in self.hub.datasets:
+            self._json_status(409, {"error": "You already created this dataset repo", "url": url})
+            return
+        root = self.hub.upload_dir / "datasets" / repo_id
+        root.mkdir(parents=True, exist_ok=True)
+        self.hub.datasets[repo_id] = Repo(repo_id, root)
+        self._json({"url": url})
+
+    def validate_yaml(self) -> None:
+        self._json({"errors": [], "warnings": []})
+
+    def preupload(self, repo: str, rev: str) -> None:
+        self.dataset = True
+        r = self._repo(repo)
+        existing = {f.path: f.git_oid for f in r.files()}
+        files = json.loads(self.body)["files"]
+        self._json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
+                               "oid": existing.get(f["path"])} for f in files]})  # fmt: skip
+
+    def commit(self, repo: str, rev: str) -> None:
+        self._authorized()
+        self.dataset = True
+        r = self._repo(repo)
+        lines = [json.loads(line) for line in self.body.decode().splitlines() if line.strip()]
+        header = next((ln["value"] for ln in lines if ln["key"] == "header"), {})
+        writes, deletes = {}, []
+        for line in lines:  # check every line before writing anything
+            key, value = line["key"], line["value"]
+            if key == "header":
+                continue
+            target = (r.root / value["path"]).resolve()
+            if not str(target).startswith(str(r.root.resolve()) + os.sep):
+                raise HubError(400, "BadRequest", f"unsafe path {value['path']!r}")
+            if key == "file":
+                writes[target] = base64.b64decode(value["content"])
+            elif key in ("deletedFile", "deletedFolder"):
+                deletes.append(target)
+            else:
+                raise HubError(422, "BadRequest", f"{key} operations are not served here (no LFS, no Xet)")
+        with self.hub._lock:
+            for target, data in writes.items():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(f".{target.name}.tmp")
+                tmp.write_bytes(data)
+                os.replace(tmp, target)
+            for target in deletes:
+                if target.is_dir():
+                    shutil.rmtree(target)
+                else:
+                    target.unlink(missing_ok=True)
+            sha = r.sha(r.files())
+            self.hub.commits.append((repo, header.get("summary", "")))
+        host = self.headers["Host"]
+        self._json({"commitOid": sha, "commitUrl": f"http://{host}/datasets/{repo}/commit/{sha}"})
+
+    def dataset_info(self, repo: str, rev: str = "main") -> None:
+        self.dataset = True
+        r = self._repo(repo)
+        files = r.files()
+        sha = self._check_revision(r, rev, files)
+        self._json({"_id": hashlib.md5(repo.encode()).hexdigest()[:24], "id": repo, "sha": sha, "private": False,
+                    "siblings": [{"rfilename": f.path} for f in files]})  # fmt: skip
+
+    def dataset_tree(self, repo: str, rev: str, path: str | None = None) -> None:
+        self.dataset = True
+        self.tree(repo, rev, path)
+
+    def dataset_resolve(self, repo: str, rev: str, path: str) -> None:
+        self.dataset = True
+        self.resolve(repo, rev, path)
+
+    def _json_status(self, status: int, payload: Any) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def paths_info(self, repo: str, rev: str) -> None:
         r = self._repo(repo)

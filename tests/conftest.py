@@ -29,6 +29,7 @@ HUB_PORT = free_port()
 SCHEMA = f"test_{uuid.uuid4().hex[:12]}"
 PG_BASE = os.environ.get("SUPPORTMATRIX_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 REDIS_BASE = os.environ.get("SUPPORTMATRIX_TEST_REDIS", "redis://127.0.0.1:6379")
+HUB_TOKEN = "hf_stand_in_write_token"  # reads gated repos and writes datasets on the stand-in
 COMPILE_BACKEND = "aot_eager"  # 5-7 s instead of 40-60 s for inductor; one test runs inductor
 
 
@@ -131,7 +132,7 @@ def tiny_models() -> Path:
 def hub(tiny_models: Path) -> Iterator[Any]:
     from testing.hub_standin import HubStandin
 
-    standin = HubStandin(port=HUB_PORT)
+    standin = HubStandin(port=HUB_PORT, token=HUB_TOKEN, upload_dir=RUN_DIR / "hub-uploads")
     # One org per test module that submits jobs, so that de-duplication never links two modules' jobs.
     for org in ("org", "pin", "host"):
         standin.add_dir(tiny_models, org=org)

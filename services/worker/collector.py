@@ -1,6 +1,7 @@
 """`python -m services.worker.collector [--every SECONDS]`: export results to Parquet, once or repeatedly.
 
 The same export runs as the `supportmatrix.export` Celery task, which workers request after each result.
+With SUPPORTMATRIX_PUBLISH_REPO set, what changed is then pushed to that Hub dataset repo.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ from typing import Any
 
 from services.worker import registry
 from services.worker.celery_app import app
+from services.worker.collector import export_once
 from services.worker.supervise import supervise
 from shared.broker import request_export
 from shared.db import session_scope
-from shared.export import export_results
 from shared.jobs import acquire_lease, finish, heartbeat
 from shared.queues import EXPORT_TASK, RUN_JOB_TASK
 from shared.settings import get_settings
@@ -51,8 +51,5 @@ def run_job(self: Any, job_id: int) -> str:
 
 
 @app.task(name=EXPORT_TASK)
-def export() -> dict[str, list[str]]:
-    settings = get_settings()
-    with session_scope() as session:
-        summary = export_results(session, settings.export_path)
-    return {"written": [str(p) for p in summary.written], "unchanged": [str(p) for p in summary.unchanged]}
+def export() -> str:
+    return export_once()
