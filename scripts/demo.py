@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             spawn(logs / "workers.log", "-m", "services.worker.host", "--cores", str(host_cores), "--every", "5"),
             spawn(
                 logs / "collector.log", "-m", "celery", "-A", "services.worker.celery_app:app", "worker",
-                "--queues", "supportmatrix.export", "--pool", "solo", "--hostname", "demo-collector@%h",
+                "--queues", "supportmatrix.control", "--pool", "solo", "--hostname", "demo-collector@%h",
             ),
         ]  # fmt: skip
         api = f"http://127.0.0.1:{api_port}"

@@ -12,7 +12,7 @@ from typing import Any
 
 from celery import Celery
 
-from shared.queues import EXPORT_QUEUE, EXPORT_TASK, RUN_JOB_TASK, celery_task_id
+from shared.queues import CONTROL_QUEUE, EXPORT_TASK, RUN_JOB_TASK, SWEEP_TASK, celery_task_id
 from shared.settings import Settings, get_settings
 
 
@@ -31,8 +31,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_ignore_result": True,  # results live in SQL
         # A submission waits at most ~1 s for a broker that is down, then answers 503 and keeps nothing.
         "task_publish_retry_policy": {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.3},
-        "task_routes": {EXPORT_TASK: {"queue": EXPORT_QUEUE}},
-        "task_default_queue": EXPORT_QUEUE,
+        "task_routes": {EXPORT_TASK: {"queue": CONTROL_QUEUE}, SWEEP_TASK: {"queue": CONTROL_QUEUE}},
+        "task_default_queue": CONTROL_QUEUE,
         "worker_hijack_root_logger": False,
     }
 
@@ -58,4 +58,4 @@ def revoke_job(producer: Celery, job_id: int) -> None:
 
 
 def request_export(producer: Celery) -> None:
-    producer.send_task(EXPORT_TASK, queue=EXPORT_QUEUE)
+    producer.send_task(EXPORT_TASK, queue=CONTROL_QUEUE)

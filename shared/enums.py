@@ -37,6 +37,8 @@ class ErrorClass(StrEnum):
     unsupported_parallelism = "unsupported_parallelism"  # must be sharded, but has no plan that fits
     too_large = "too_large"  # needs more than 16 cores: SKIPPED at submission
     unsizable = "unsizable"  # neither safetensors metadata nor file sizes tell its size
+    remote_code = "remote_code"  # needs trust_remote_code and its org is not allowlisted: SKIPPED
+    hub_unavailable = "hub_unavailable"  # the Hub did not answer, after retries
     internal = "internal"  # a bug of ours; the message says where
 
 

@@ -60,9 +60,15 @@ class ResolvedModel:
     pipeline_tag: str | None
     parameters: dict[str, int] = field(default_factory=dict)  # safetensors parameter counts per dtype
     files: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+
+    @property
+    def needs_remote_code(self) -> bool:
+        """The Hub tags repos whose config maps classes to code in the repo (trust_remote_code)."""
+        return "custom_code" in self.tags
 
 
-EXPAND = ["sha", "siblings", "safetensors", "gated", "pipeline_tag", "library_name"]
+EXPAND = ["sha", "siblings", "safetensors", "gated", "pipeline_tag", "library_name", "tags"]
 
 
 def resolve_model(model_id: str, revision: str | None = None, timeout_s: float = 20.0) -> ResolvedModel:
@@ -90,7 +96,25 @@ def resolve_model(model_id: str, revision: str | None = None, timeout_s: float =
         pipeline_tag=info.pipeline_tag,
         parameters=dict(info.safetensors.parameters) if info.safetensors else {},
         files=tuple(s.rfilename for s in info.siblings or []),
+        tags=tuple(info.tags or []),
     )
+
+
+@dataclass(frozen=True)
+class Listed:
+    model_id: str
+    view: str  # trending or downloads
+    rank: int  # 1-based
+
+
+def list_top(pipeline_tag: str, view: str, limit: int) -> list[Listed]:
+    """The Hub's top models of a pipeline tag by trending score or downloads, as its model pages rank them."""
+    sort = {"trending": "trending_score", "downloads": "downloads"}[view]
+    try:
+        models = HfApi().list_models(pipeline_tag=pipeline_tag, sort=sort, limit=limit)
+        return [Listed(m.id, view, rank) for rank, m in enumerate(models, start=1)]
+    except (HfHubHTTPError, OSError) as exc:
+        raise HubUnavailable(f"listing {pipeline_tag} by {view}: {exc}") from exc
 
 
 class Unsizable(HubError):

@@ -22,6 +22,7 @@ from shared.models import Job, Result, Worker, utcnow
 from shared.queues import job_queue
 from shared.runtime import RunReport, RuntimeInfo, default_runtime
 from shared.settings import Settings
+from shared.testconfig import config_hash
 
 FINISHED_STATES = (JobState.done, JobState.failed, JobState.cancelled)
 # The report fields a result row keeps (the rest, like model_id, live on the job).
@@ -109,6 +110,7 @@ def _identity(model: ResolvedModel, runtime: RuntimeInfo, task: str, cores: int)
         Job.compiler_version == runtime.compiler_version,
         Job.library_version == runtime.library_version,
         Job.task == task,
+        Job.config_hash == config_hash(task),
         Job.cores == cores,
     )
 
@@ -147,6 +149,7 @@ def submit(
             revision=revision,
             sha=model.sha,
             task=task,
+            config_hash=config_hash(task),
             compiler_name=runtime.compiler_name,
             compiler_version=runtime.compiler_version,
             library=runtime.library,

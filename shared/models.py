@@ -58,6 +58,7 @@ class Job(Base):
     revision: Mapped[str | None] = mapped_column(sa.String(200))  # as requested
     sha: Mapped[str] = mapped_column(sa.String(40))  # as resolved on the Hub
     task: Mapped[str] = mapped_column(sa.String(64))
+    config_hash: Mapped[str] = mapped_column(sa.String(16), server_default="")  # shared.testconfig: what it runs
     compiler_name: Mapped[str] = mapped_column(sa.String(32))
     compiler_version: Mapped[str] = mapped_column(sa.String(100), index=True)
     library: Mapped[str] = mapped_column(sa.String(64))
@@ -87,6 +88,7 @@ class Job(Base):
             "compiler_version",
             "library_version",
             "task",
+            "config_hash",
             "cores",
             unique=True,
             sqlite_where=sa.text(f"state IN {tuple(s.value for s in ACTIVE_STATES)}"),
@@ -156,3 +158,39 @@ class Worker(Base):
     queue: Mapped[str] = mapped_column(sa.String(200))
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class Sweep(Base):
+    """One pass over what people use: trending and most-downloaded models per task, and a pinned list."""
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    # The schedule slot a scheduled sweep belongs to: unique, so a schedule that fires twice adds nothing.
+    slot: Mapped[str | None] = mapped_column(sa.String(64), unique=True)
+    trigger: Mapped[str] = mapped_column(sa.String(16))  # "schedule" or "api"
+    state: Mapped[str] = mapped_column(sa.String(16), default="queued")  # queued, running, done, failed
+    config: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
+    error: Mapped[str | None] = mapped_column(sa.Text)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[dt.datetime | None]
+
+    entries: Mapped[list[SweepEntry]] = relationship(back_populates="sweep", order_by="SweepEntry.id")
+
+
+class SweepEntry(Base):
+    """A model a sweep considered, the view and rank that brought it, and the job it got (if any)."""
+
+    __tablename__ = "sweep_entries"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    sweep_id: Mapped[int] = mapped_column(sa.ForeignKey("sweeps.id", ondelete="CASCADE"), index=True)
+    model_id: Mapped[str] = mapped_column(sa.String(200))
+    task: Mapped[str] = mapped_column(sa.String(64))
+    view: Mapped[str] = mapped_column(sa.String(16))  # trending, downloads, selected
+    rank: Mapped[int]
+    job_id: Mapped[int | None] = mapped_column(sa.ForeignKey("jobs.id", ondelete="SET NULL"))
+    created: Mapped[bool] = mapped_column(default=False)  # a new job, rather than an existing one
+    note: Mapped[str | None] = mapped_column(sa.Text)  # why there is no job
+
+    sweep: Mapped[Sweep] = relationship(back_populates="entries")

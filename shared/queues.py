@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 
-EXPORT_QUEUE = "supportmatrix.export"
+CONTROL_QUEUE = "supportmatrix.control"  # export and sweep tasks: the collector consumes it
 JOB_QUEUE_PREFIX = "supportmatrix.jobs"
 
 RUN_JOB_TASK = "supportmatrix.run_job"
 EXPORT_TASK = "supportmatrix.export"
+SWEEP_TASK = "supportmatrix.sweep"
 
 
 def job_queue(backend: str, compiler_version: str, cores: int) -> str:

@@ -51,6 +51,14 @@ class Settings(BaseSettings):
     # cpu backend threads per accelerator rank (0: torch's default); a benign-noise knob for tests.
     cpu_threads: int = Field(0, ge=0)
 
+    # Sweeps: every sweep_every_s seconds (0: never by schedule), per task the top sweep_limit trending and
+    # most-downloaded models, plus the pinned selection ("org/name" or "org/name:task").
+    sweep_every_s: float = Field(0, ge=0)
+    sweep_tasks: list[str] = ["text-generation", "feature-extraction"]
+    sweep_limit: int = Field(20, ge=1, le=1000)
+    sweep_selected: list[str] = []
+    remote_code_orgs: list[str] = Field([], description="orgs whose trust_remote_code models are tested")
+
     # The Hub dataset repo the collector pushes the export to (none: export locally only), and its token.
     publish_repo: str | None = None
     publish_token: str | None = None

@@ -1,8 +1,9 @@
 """From "test this model" to job rows: resolve on the Hub, pick the task, size, plan compilers, insert.
 
-Used by the API (and by sweeps): nothing here commits or enqueues. A model too large for 16 cores, or
-that cannot be sized, gets its job settled at once — SKIPPED(too_large) or ERROR(unsizable), with the
-reason — and is never enqueued.
+Used by the API and by sweeps: nothing here commits or enqueues. A model that needs trust_remote_code from
+an org not allowlisted, a gated one the token cannot read, one too large for 16 cores, or one that cannot
+be sized gets its job settled at once — SKIPPED(remote_code), SKIPPED(gated), SKIPPED(too_large) or
+ERROR(unsizable), with the reason — and is never enqueued.
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ def submit_model(session: Session, settings: Settings, request: Request) -> list
     task = choose_task(model, request.task)
     runtimes = jobs.plan_runtimes(session, settings, request.compilers)
     cores, refusal = request.cores, None
-    if cores is None:
+    org = model.model_id.split("/")[0]
+    if model.needs_remote_code and org not in settings.remote_code_orgs:
+        reason = f"{model.model_id} needs trust_remote_code; {org} is not in SUPPORTMATRIX_REMOTE_CODE_ORGS"
+        refusal = (Verdict.SKIPPED, ErrorClass.remote_code, reason)
+    elif cores is None:
         try:
             sizing = size_model(
                 model_shape(model), default_core_memory_bytes(settings.backend, settings.core_memory_gib)
@@ -69,7 +74,7 @@ def submit_model(session: Session, settings: Settings, request: Request) -> list
         except Unsizable as exc:
             refusal = (Verdict.ERROR, ErrorClass.unsizable, str(exc))
         except Gated as exc:
-            refusal = (Verdict.ERROR, ErrorClass.gated, str(exc))
+            refusal = (Verdict.SKIPPED, ErrorClass.gated, str(exc))
     submitted = jobs.submit(session, model, request.revision, runtimes, force=request.force, task=task.value,
                             cores=cores or 1)  # fmt: skip
     if refusal is not None:

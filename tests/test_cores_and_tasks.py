@@ -73,7 +73,8 @@ def test_a_gated_model_without_access_ends_at_submission_with_the_reason(
     api: Any, worker: Any, odd_repos: None
 ) -> None:
     [job] = submit(api, "pin/gated")
-    assert job["state"] == "failed" and job["error_class"] == "gated" and "HF_TOKEN" in job["error_message"]
+    assert job["state"] == "done" and job["error_class"] == "gated" and "HF_TOKEN" in job["error_message"]
+    assert result_rows(api, model_id="pin/gated")[0]["result"] == "SKIPPED"
 
 
 def test_a_model_whose_task_we_do_not_test_is_refused(api: Any, worker: Any, odd_repos: None) -> None:

@@ -11,7 +11,7 @@ from sqlalchemy.exc import OperationalError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.api.metrics import StateCollector
-from services.api.routes import health, jobs, results, workers
+from services.api.routes import health, jobs, results, sweeps, workers
 from shared.settings import get_settings
 
 
@@ -75,6 +75,7 @@ def create_app() -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(results.router)
     app.include_router(workers.router)
+    app.include_router(sweeps.router)
     app.include_router(health.router)
 
     @app.exception_handler(OperationalError)

@@ -2,7 +2,7 @@
 
 Job workers are started with `python -m services.worker`, which learns what this machine serves, consumes
 the queue for it and registers in the `workers` table; a collector is a plain Celery worker on the export
-queue (`celery -A services.worker.celery_app:app worker -Q supportmatrix.export`).
+queue (`celery -A services.worker.celery_app:app worker -Q supportmatrix.control`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,15 @@ from celery.signals import worker_ready, worker_shutdown
 
 from services.worker import registry
 from shared.broker import make_celery
+from shared.queues import SWEEP_TASK
 from shared.settings import get_settings
 
-app = make_celery(get_settings(), "supportmatrix-worker")
+settings = get_settings()
+app = make_celery(settings, "supportmatrix-worker")
 app.conf.include = ["services.worker.tasks"]
+if settings.sweep_every_s:
+    # Run beat with services.worker.beat:LockedScheduler so that only one scheduler sends these.
+    app.conf.beat_schedule = {"sweep": {"task": SWEEP_TASK, "schedule": settings.sweep_every_s}}
 
 
 @worker_ready.connect

@@ -14,14 +14,8 @@ from services.worker.runner.backends.base import Backend
 from services.worker.runner.failures import phase
 from services.worker.runner.measure import Stopwatch, accelerator_timings
 from shared.enums import ErrorClass, Parallelism, Verdict
+from shared.testconfig import SENTENCES
 
-SENTENCES = [
-    "The history of the printing press begins in the fifteenth century.",
-    "A quick brown fox jumps over the lazy dog.",
-    "Compilers turn programs into instructions that a machine can run.",
-    "Trainium is a machine learning accelerator built by AWS.",
-    "Il pleut sur la ville depuis ce matin.",
-]
 THRESHOLD = {"float32": 0.999}
 DEFAULT_THRESHOLD = 0.99
 

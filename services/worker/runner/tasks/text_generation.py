@@ -15,9 +15,7 @@ from services.worker.runner.failures import phase
 from services.worker.runner.measure import Stopwatch, accelerator_timings, peak_rss_bytes
 from services.worker.runner.verdict import Evidence, StepEvidence, Tolerances, decide
 from shared.enums import ErrorClass, Parallelism
-
-PROMPT = "The history of the printing press begins in"
-NEW_TOKENS = 32
+from shared.testconfig import NEW_TOKENS, PROMPT
 
 
 def _generation_kwargs(tokenizer: Any) -> dict[str, Any]:

