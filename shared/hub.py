@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -17,6 +18,20 @@ from huggingface_hub.errors import (
 )
 
 from shared.sizing import ModelShape, parameters_from_file_sizes, shape_from_config
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """Connection-level failures of the HTTP client huggingface_hub uses (httpx, or httpx2 since 2.x)."""
+    found = []
+    for name in ("httpx", "httpx2"):
+        try:
+            found.append(importlib.import_module(name).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+TRANSPORT_ERRORS = _transport_errors()
 
 # The Hub's repo-id grammar, narrowed to "org/name": letters, digits, '-', '_', '.', at most 96 each,
 # not starting or ending with '-' or '.', no '--' or '..'.
@@ -85,7 +100,7 @@ def resolve_model(model_id: str, revision: str | None = None, timeout_s: float =
         raise HubUnavailable("HF_HUB_OFFLINE is set: the Hub cannot be asked about models") from exc
     except HfHubHTTPError as exc:
         raise HubUnavailable(f"the Hub answered {exc.response.status_code if exc.response else '?'}") from exc
-    except OSError as exc:  # connection refused, DNS, timeouts
+    except (OSError, *TRANSPORT_ERRORS) as exc:  # connection refused, DNS, timeouts
         raise HubUnavailable(f"the Hub is unreachable: {exc.__class__.__name__}: {exc}") from exc
     if not info.sha:
         raise HubUnavailable(f"the Hub gave no commit sha for {model_id}")
@@ -113,7 +128,7 @@ def list_top(pipeline_tag: str, view: str, limit: int) -> list[Listed]:
     try:
         models = HfApi().list_models(pipeline_tag=pipeline_tag, sort=sort, limit=limit)
         return [Listed(m.id, view, rank) for rank, m in enumerate(models, start=1)]
-    except (HfHubHTTPError, OSError) as exc:
+    except (HfHubHTTPError, OSError, *TRANSPORT_ERRORS) as exc:
         raise HubUnavailable(f"listing {pipeline_tag} by {view}: {exc}") from exc
 
 

@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     # cpu backend threads per accelerator rank (0: torch's default); a benign-noise knob for tests.
     cpu_threads: int = Field(0, ge=0)
 
+    # A runner retries an unreachable Hub after each of these pauses (after huggingface_hub's own retries).
+    hub_retry_delays_s: list[float] = [2.0, 4.0, 8.0]
+
     # Sweeps: every sweep_every_s seconds (0: never by schedule), per task the top sweep_limit trending and
     # most-downloaded models, plus the pinned selection ("org/name" or "org/name:task").
     sweep_every_s: float = Field(0, ge=0)

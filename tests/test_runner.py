@@ -77,6 +77,17 @@ def test_models_that_cannot_run_end_in_error_with_their_class(
     assert message in report["error_message"]
 
 
+def test_an_unreachable_hub_is_retried_then_an_error_of_its_own_class(tmp_path: Path) -> None:
+    code, report = run_runner(
+        "org/tiny-llama",
+        HF_ENDPOINT="http://127.0.0.1:9",  # nothing listens on the discard port
+        HF_HOME=str(tmp_path / "hf"),
+        SUPPORTMATRIX_HUB_RETRY_DELAYS_S="[0.1, 0.1]",
+    )
+    assert code == 3 and report["error_class"] == "hub_unavailable", report["error_message"]
+    assert "Connect" in report["error_message"]
+
+
 def test_describe_reports_what_this_machine_serves() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "services.worker.runner", "--describe"],

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> RunReport:
         core_range=args.core_range,
     )
     try:
-        checkpoint = download(args.model, args.revision)
+        checkpoint = download(args.model, args.revision, settings.hub_retry_delays_s)
         report.sha = checkpoint.sha
         report.reproduce = reproduce_command(args.model, checkpoint.sha, backend, args.task)
         report.cores = choose_cores(args, checkpoint, backend)

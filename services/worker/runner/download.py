@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from huggingface_hub.errors import (
 
 from services.worker.runner.failures import RunFailure
 from shared.enums import ErrorClass
+from shared.hub import TRANSPORT_ERRORS
 
 # What from_pretrained reads; weights, READMEs, ONNX or GGUF copies and the like are not fetched.
 _CONFIG_AND_TOKENIZER = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "tokenizer*"]
@@ -27,10 +29,22 @@ class Checkpoint:
     sha: str | None  # None for a local directory
 
 
-def download(model: str, revision: str | None) -> Checkpoint:
+def download(model: str, revision: str | None, retry_delays_s: list[float]) -> Checkpoint:
+    """The checkpoint on local disk; an unreachable Hub is retried after each of ``retry_delays_s``."""
     local = Path(model)
     if local.is_dir():
         return Checkpoint(path=local.resolve(), sha=None)
+    for delay in (*retry_delays_s, None):
+        try:
+            return _download(model, revision)
+        except RunFailure as failure:
+            if failure.error_class != ErrorClass.hub_unavailable or delay is None:
+                raise
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def _download(model: str, revision: str | None) -> Checkpoint:
     try:
         info = HfApi().model_info(model, revision=revision)
         files = [s.rfilename for s in info.siblings or []]
@@ -41,6 +55,13 @@ def download(model: str, revision: str | None) -> Checkpoint:
         raise RunFailure(ErrorClass.gated, f"{model} is gated: {exc}") from exc
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
         raise RunFailure(ErrorClass.not_found, f"{model}@{revision or 'main'}: {exc}") from exc
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else 0
+        unavailable = status >= 500 or status == 429
+        error_class = ErrorClass.hub_unavailable if unavailable else ErrorClass.download
+        raise RunFailure(error_class, f"{type(exc).__name__}: {exc}"[:4000]) from exc
+    except (LocalEntryNotFoundError, *TRANSPORT_ERRORS) as exc:  # no connection to the Hub at all
+        raise RunFailure(ErrorClass.hub_unavailable, f"{type(exc).__name__}: {exc}"[:4000]) from exc
+    except OSError as exc:
         raise RunFailure(ErrorClass.download, f"{type(exc).__name__}: {exc}"[:4000]) from exc
     return Checkpoint(path=Path(path), sha=info.sha)
