@@ -124,6 +124,7 @@ class Result(Base):
     reproduce: Mapped[str | None] = mapped_column(sa.Text)
     parallelism: Mapped[str | None] = mapped_column(sa.String(16))
     visible_cores: Mapped[str | None] = mapped_column(sa.String(200))
+    compile_cache: Mapped[str | None] = mapped_column(sa.String(8))
     verdict_reason: Mapped[str | None] = mapped_column(sa.Text)
     tokens_match: Mapped[bool | None]
     prefill_rel_error: Mapped[float | None]

@@ -45,6 +45,7 @@ RESULT_SCHEMA = pa.schema(
         ("peak_memory_bytes", pa.int64()),
         ("first_divergence", pa.int32()),
         ("verdict_reason", pa.string()),
+        ("compile_cache", pa.string()),
         ("parallelism", pa.string()),
         ("tokens_match", pa.bool_()),
         ("prefill_rel_error", pa.float64()),

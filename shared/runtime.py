@@ -54,6 +54,7 @@ class RunReport(BaseModel):
     reproduce: str | None = None
     parallelism: str | None = None
     visible_cores: str | None = None  # what the accelerator process could use (CPU affinity, devices)
+    compile_cache: str | None = None  # hit, miss, or none (a compiler without a persistent cache)
     verdict_reason: str | None = None
     tokens_match: bool | None = None
     prefill_rel_error: float | None = None

@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     # cpu backend threads per accelerator rank (0: torch's default); a benign-noise knob for tests.
     cpu_threads: int = Field(0, ge=0)
 
+    # The shared compile cache: hf://buckets/<ns>/<name>, any fsspec URL, or a directory; pushed to only
+    # when compile_cache_push is set (with compile_cache_token for a bucket).
+    compile_cache_remote: str | None = None
+    compile_cache_push: bool = False
+    compile_cache_token: str | None = None
+
     # A runner retries an unreachable Hub after each of these pauses (after huggingface_hub's own retries).
     hub_retry_delays_s: list[float] = [2.0, 4.0, 8.0]
 

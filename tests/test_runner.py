@@ -31,23 +31,30 @@ def run_runner(*args: str, **env: str) -> tuple[int, dict[str, Any]]:
     return proc.returncode, json.loads(lines[-1])
 
 
-def test_inductor_compiles_and_matches_the_reference(tiny_models: Path) -> None:
-    """The real default compiler on the cpu backend, on a local checkpoint directory."""
+def test_inductor_compiles_and_a_second_host_hits_the_shared_cache(tiny_models: Path) -> None:
+    """The real default compiler on the cpu backend, on a local checkpoint directory; a cold run pushes its
+    cache entries to a shared remote, a fresh cache elsewhere pulls them and compiles from the cache."""
+    remote = str(RUN_DIR / "shared-compile-cache")
+    common = {"SUPPORTMATRIX_CPU_COMPILE_BACKEND": "inductor", "SUPPORTMATRIX_COMPILE_CACHE_REMOTE": remote,
+              "SUPPORTMATRIX_COMPILE_CACHE_PUSH": "true"}  # fmt: skip
     code, report = run_runner(
-        str(tiny_models / "tiny-llama"),
-        SUPPORTMATRIX_CPU_COMPILE_BACKEND="inductor",
-        SUPPORTMATRIX_CACHE_DIR=str(RUN_DIR / "inductor-cache"),
+        str(tiny_models / "tiny-llama"), SUPPORTMATRIX_CACHE_DIR=str(RUN_DIR / "cache-a"), **common
     )
     assert code == 0, report
-    assert report["verdict"] == "PASS"
+    assert report["verdict"] == "PASS" and report["compile_cache"] == "miss"
     assert report["compiler_name"] == "inductor" and report["compiler_version"] == "inductor-2.13.0+cpu"
     assert report["generated_token_ids"] == report["reference_token_ids"]
     assert len(report["generated_token_ids"]) == 32
-    # inductor generated C++ for this run, in the configured cache, not in /tmp
-    assert any((RUN_DIR / "inductor-cache" / "inductor").rglob("*.py"))
+    # inductor generated code for this run in the configured cache, not in /tmp, and pushed it
+    assert any((RUN_DIR / "cache-a" / "inductor").rglob("*.py"))
+    assert any((Path(remote) / "inductor-inductor-2.13.0+cpu").rglob("*"))
     assert report["compile_s"] > report["generate_s"]
     assert report["sha"] is None  # a local directory has no commit
     assert report["reproduce"] == f"python -m services.worker.runner {tiny_models / 'tiny-llama'} --backend cpu"
+
+    code, warm = run_runner(str(tiny_models / "tiny-llama"), SUPPORTMATRIX_CACHE_DIR=str(RUN_DIR / "cache-b"), **common)
+    assert code == 0 and warm["compile_cache"] == "hit", warm
+    assert warm["generated_token_ids"] == report["generated_token_ids"]
 
 
 def test_hub_model_is_downloaded_through_the_endpoint(hub: Any, tmp_path: Path) -> None:

@@ -130,7 +130,9 @@ def run(args: argparse.Namespace) -> RunReport:
     report.compiler_version = runtime.compiler_version
     report.library_version = runtime.library_version
     report.torch_version = runtime.torch_version
-    for key in ("wall_s", "load_s", "compile_s", "generate_s", "peak_memory_bytes", "parallelism", "visible_cores"):
+    keys = ("wall_s", "load_s", "compile_s", "generate_s", "peak_memory_bytes", "parallelism", "visible_cores",
+            "compile_cache")  # fmt: skip
+    for key in keys:
         setattr(report, key, accelerator[key])
     return report
 

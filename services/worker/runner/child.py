@@ -14,11 +14,38 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from services.worker.runner.backends import get_backend
+from services.worker.runner.backends import Backend, get_backend
 from services.worker.runner.failures import RunFailure
 from services.worker.runner.tasks import get_task
+from shared.compile_cache import local_cache_dir, namespace, remote_for
 from shared.enums import ErrorClass
 from shared.settings import get_settings
+
+
+class SharedCompileCache:
+    """The local compile cache of an accelerator rank, pulled from the configured remote before the run
+    (rank 0 only) and pushed to it after, when pushing is configured."""
+
+    def __init__(self, backend: Backend, compiler_name: str, compiler_version: str, rank: int) -> None:
+        settings = backend.settings
+        self.local = local_cache_dir(settings.cache_path, backend.name)
+        self.remote = None
+        if settings.compile_cache_remote and rank == 0:
+            ns = namespace(compiler_name, compiler_version)
+            self.remote = remote_for(settings.compile_cache_remote, ns, settings.compile_cache_token)
+            self.remote.pull(self.local)
+        self.push_allowed = settings.compile_cache_push
+        self.before = self._count()
+
+    def _count(self) -> int:
+        return sum(1 for p in self.local.rglob("*") if p.is_file()) if self.local.exists() else 0
+
+    def new_entries(self) -> int:
+        return self._count() - self.before
+
+    def push(self) -> None:
+        if self.remote is not None and self.push_allowed:
+            self.remote.push(self.local)
 
 
 def execute(spec: dict[str, Any]) -> dict[str, Any]:
@@ -29,8 +56,12 @@ def execute(spec: dict[str, Any]) -> dict[str, Any]:
         task = get_task(spec["task"])
         if spec["role"] == "accelerator":
             backend.prepare_process()
+            runtime = backend.describe()  # the versions that really run
+            cache = SharedCompileCache(backend, runtime.compiler_name, runtime.compiler_version, spec["rank"])
             data = task.accelerator(spec, backend)
-            data["runtime"] = backend.describe().model_dump()  # the versions that really ran
+            data["compile_cache"] = backend.cache_outcome(cache.new_entries())
+            cache.push()
+            data["runtime"] = runtime.model_dump()
         else:
             data = task.reference(spec, backend)
         return {"ok": True, "data": data}

@@ -70,6 +70,23 @@ class Backend(ABC):
     def prepare_process(self) -> None:  # noqa: B027 - most backends need nothing
         """Per-process setup of an accelerator rank before torch does any work."""
 
+    def cache_outcome(self, new_files: int) -> str:
+        """hit or miss of this process's compiles in the local compile cache.
+
+        By default from the cache directory: a compile that wrote no new entry found what it needed.
+        """
+        return "hit" if new_files == 0 else "miss"
+
+
+def inductor_cache_outcome() -> str:
+    """hit or miss from inductor's FX graph cache counters; none when the dynamo backend does not use it."""
+    from torch._dynamo.utils import counters
+
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    if not hits and not misses:
+        return "none"
+    return "hit" if not misses else "miss"
+
 
 class DeviceBackend(Backend):
     """A backend with its own device memory, read through torch.<device> (cuda, neuron)."""

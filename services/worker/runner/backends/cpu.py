@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 
-from services.worker.runner.backends.base import Backend
+from services.worker.runner.backends.base import Backend, inductor_cache_outcome
 from services.worker.runner.measure import peak_rss_bytes
+from shared.compile_cache import local_cache_dir
 from shared.cores import format_cpus
 
 
@@ -24,7 +25,7 @@ class CpuBackend(Backend):
         return {"SUPPORTMATRIX_CPU_COMPILE_BACKEND": self.compile_backend}
 
     def accelerator_env(self) -> dict[str, str]:
-        inductor = self.settings.cache_path / "inductor"
+        inductor = local_cache_dir(self.settings.cache_path, self.name)
         # Inductor writes precompiled headers under TMPDIR whatever its cache dir says: keep both together.
         return {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TMPDIR": str(inductor / "tmp")}
 
@@ -44,3 +45,6 @@ class CpuBackend(Backend):
             import torch
 
             torch.set_num_threads(self.settings.cpu_threads)
+
+    def cache_outcome(self, new_files: int) -> str:
+        return inductor_cache_outcome()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from services.worker.runner.backends.base import DeviceBackend
+from services.worker.runner.backends.base import DeviceBackend, inductor_cache_outcome
+from shared.compile_cache import local_cache_dir
 
 
 class CudaBackend(DeviceBackend):
@@ -13,10 +14,13 @@ class CudaBackend(DeviceBackend):
     compile_backend = "inductor"
 
     def accelerator_env(self) -> dict[str, str]:
-        inductor = self.settings.cache_path / "inductor-cuda"
+        inductor = local_cache_dir(self.settings.cache_path, self.name)
         return {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TMPDIR": str(inductor / "tmp")}
 
     def compiler(self) -> tuple[str, str]:
         import torch
 
         return "inductor", f"inductor-{torch.__version__}"
+
+    def cache_outcome(self, new_files: int) -> str:
+        return inductor_cache_outcome()

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.worker.runner.backends.base import DeviceBackend
+from shared.compile_cache import local_cache_dir
 
 
 class NeuronBackend(DeviceBackend):
@@ -28,7 +29,7 @@ class NeuronBackend(DeviceBackend):
         return {
             # A graph that fails to compile must fail the run, not fall back to eager/CPU silently.
             "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": "1",
-            "TORCH_NEURONX_NEFF_CACHE_DIR": str(cache / "neff"),
+            "TORCH_NEURONX_NEFF_CACHE_DIR": str(local_cache_dir(cache, self.name)),
             "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(cache / "neff-locks"),
         }
 
