@@ -54,8 +54,9 @@ def main() -> int:
             warm = run(model, cache, args.backend)
             ratio = cold["compile_s"] / max(warm["compile_s"], 1e-9)
             ratios.append(ratio)
-            print(f"round {i + 1}: cold {cold['compile_s']:.2f} s ({cold['compile_cache']}), "
-                  f"warm {warm['compile_s']:.2f} s ({warm['compile_cache']}), cold/warm {ratio:.1f}x", flush=True)  # fmt: skip
+            cold_s, warm_s = cold["compile_s"], warm["compile_s"]
+            print(f"round {i + 1}: cold {cold_s:.2f} s ({cold['compile_cache']}), warm {warm_s:.2f} s "
+                  f"({warm['compile_cache']}), cold/warm {ratio:.1f}x", flush=True)  # fmt: skip
         print(f"{args.backend}: cold/warm compile time, median of {args.repeat}: {statistics.median(ratios):.1f}x")
     return 0
 
