@@ -125,6 +125,7 @@ class Result(Base):
     parallelism: Mapped[str | None] = mapped_column(sa.String(16))
     visible_cores: Mapped[str | None] = mapped_column(sa.String(200))
     compile_cache: Mapped[str | None] = mapped_column(sa.String(8))
+    reference_reused: Mapped[bool | None]  # the CPU reference came from reference_runs, not a new run
     verdict_reason: Mapped[str | None] = mapped_column(sa.Text)
     tokens_match: Mapped[bool | None]
     prefill_rel_error: Mapped[float | None]
@@ -195,3 +196,25 @@ class SweepEntry(Base):
     note: Mapped[str | None] = mapped_column(sa.Text)  # why there is no job
 
     sweep: Mapped[Sweep] = relationship(back_populates="entries")
+
+
+class ReferenceRun(Base):
+    """A CPU reference run, kept so that every compiler version and rerun of the same model reuses it.
+
+    Keyed by what determines its output: the model's commit, the task and its test config, the dtype,
+    and the transformers and torch versions.
+    """
+
+    __tablename__ = "reference_runs"
+
+    key: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    model_id: Mapped[str] = mapped_column(sa.String(200), index=True)
+    sha: Mapped[str] = mapped_column(sa.String(40))
+    task: Mapped[str] = mapped_column(sa.String(64))
+    config_hash: Mapped[str] = mapped_column(sa.String(16))
+    dtype: Mapped[str] = mapped_column(sa.String(16))
+    library_version: Mapped[str] = mapped_column(sa.String(64))
+    torch_version: Mapped[str] = mapped_column(sa.String(64))
+    data: Mapped[dict[str, Any]] = mapped_column(sa.JSON)  # tokens, text, log-likelihood, embeddings, timings
+    blob: Mapped[bytes | None] = mapped_column(sa.LargeBinary)  # the prefill logits (float32 .npy)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

@@ -46,6 +46,7 @@ RESULT_SCHEMA = pa.schema(
         ("first_divergence", pa.int32()),
         ("verdict_reason", pa.string()),
         ("compile_cache", pa.string()),
+        ("reference_reused", pa.bool_()),
         ("parallelism", pa.string()),
         ("tokens_match", pa.bool_()),
         ("prefill_rel_error", pa.float64()),

@@ -55,6 +55,7 @@ class RunReport(BaseModel):
     parallelism: str | None = None
     visible_cores: str | None = None  # what the accelerator process could use (CPU affinity, devices)
     compile_cache: str | None = None  # hit, miss, or none (a compiler without a persistent cache)
+    reference_reused: bool | None = None  # the CPU reference came from the stored runs
     verdict_reason: str | None = None
     tokens_match: bool | None = None
     prefill_rel_error: float | None = None

@@ -15,7 +15,7 @@ from shared.db import make_engine
 from shared.migrate import alembic_config, downgrade, upgrade
 from tests.conftest import PG_BASE, pg_url
 
-TABLES = {"jobs", "results", "workers", "sweeps", "sweep_entries"}
+TABLES = {"jobs", "results", "workers", "sweeps", "sweep_entries", "reference_runs"}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -15,13 +15,19 @@ import struct
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
 
 from services.worker.runner.backends import BACKENDS, Backend, get_backend
 from services.worker.runner.download import Checkpoint, download
 from services.worker.runner.failures import RunFailure
 from services.worker.runner.launch import run_child, run_ranks
-from services.worker.runner.tasks import TASKS
+from services.worker.runner.tasks import TASKS, get_task
+from shared import references
+from shared.db import new_session
 from shared.enums import ErrorClass, Task, Verdict
+from shared.references import reference_key
 from shared.runtime import RunReport, RuntimeInfo
 from shared.settings import get_settings
 from shared.sizing import CORE_SIZES, checkpoint_shape, default_core_memory_bytes, size_model
@@ -78,6 +84,46 @@ def choose_cores(args: argparse.Namespace, checkpoint: Checkpoint, backend: Back
     return sizing.cores
 
 
+def reference_once(
+    spec: dict[str, Any],
+    backend: Backend,
+    checkpoint: Checkpoint,
+    runtime: RuntimeInfo,
+    timeout_s: float,
+    workdir: Path,
+) -> tuple[dict[str, Any], bool]:
+    """The reference's conclusions, from the stored reference run when it suffices, else from a new one
+    (which is then stored). Returns them and whether the stored run was reused."""
+    task = get_task(spec["task"])
+    key, session = None, None
+    if checkpoint.sha:  # a local directory has no commit to key a stored reference by
+        key = reference_key(spec["model_id"], checkpoint.sha, spec["task"], backend.dtype,
+                            runtime.library_version, runtime.torch_version)  # fmt: skip
+        try:
+            session = new_session()
+            stored = references.load(session, key)
+        except SQLAlchemyError:  # no database here (a standalone run): nothing to reuse or keep
+            session, stored = None, None
+        if stored is not None:
+            if stored.blob is not None:
+                Path(spec["reference_prefill_path"]).write_bytes(stored.blob)
+            concluded = task.conclude_from_cache(spec, backend.settings, backend.dtype, stored.data)
+            if concluded is not None:
+                session.close()
+                return concluded, True
+    reference = run_child(spec, backend.reference_env(), timeout_s, workdir)
+    cache = reference.pop("cache")
+    if session is not None and key is not None:
+        blob_path = Path(spec["reference_prefill_path"])
+        identity = {"model_id": spec["model_id"], "sha": checkpoint.sha or "", "task": spec["task"],
+                    "dtype": backend.dtype, "library_version": runtime.library_version,
+                    "torch_version": runtime.torch_version}  # fmt: skip
+        with session:
+            references.store(session, key, identity, cache, blob_path.read_bytes() if blob_path.exists() else None)
+            session.commit()
+    return reference, False
+
+
 def run(args: argparse.Namespace) -> RunReport:
     settings = get_settings()
     backend = get_backend(args.backend or settings.backend, settings)
@@ -101,23 +147,28 @@ def run(args: argparse.Namespace) -> RunReport:
         with tempfile.TemporaryDirectory(prefix="run-", dir=runs_dir) as tmp:
             workdir = Path(tmp)
             common = {
+                "model_id": args.model,
                 "backend": backend.name,
                 "task": args.task,
                 "model_dir": str(checkpoint.path),
                 "moe_parallelism": settings.moe_parallelism,
                 "fault": settings.cpu_fault if backend.name == "cpu" else None,
-                "prefill_path": str(workdir / "prefill-logits.pt"),
+                "prefill_path": str(workdir / "prefill-logits.npy"),
             }
             ranks = run_ranks(
                 {**common, "role": "accelerator"}, report.cores, backend.accelerator_env(), timeout_s, workdir
             )
             accelerator = ranks[0]
             accelerator["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in ranks)
-            reference = run_child(
-                {**common, "role": "reference", "accelerator_world_size": report.cores, "accelerator": accelerator},
-                backend.reference_env(),
-                timeout_s,
-                workdir,
+            reference_spec = {
+                **common,
+                "role": "reference",
+                "accelerator_world_size": report.cores,
+                "accelerator": accelerator,
+                "reference_prefill_path": str(workdir / "reference-prefill-logits.npy"),
+            }
+            reference, report.reference_reused = reference_once(
+                reference_spec, backend, checkpoint, RuntimeInfo(**accelerator["runtime"]), timeout_s, workdir
             )
     except RunFailure as failure:
         report.verdict = Verdict.SKIPPED if failure.error_class == ErrorClass.too_large else Verdict.ERROR

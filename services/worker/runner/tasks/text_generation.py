@@ -10,11 +10,14 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import numpy as np
+
 from services.worker.runner.backends.base import Backend
 from services.worker.runner.failures import phase
 from services.worker.runner.measure import Stopwatch, accelerator_timings, peak_rss_bytes
 from services.worker.runner.verdict import Evidence, StepEvidence, Tolerances, decide
-from shared.enums import ErrorClass, Parallelism
+from shared.enums import ErrorClass, JudgeKind, Parallelism
+from shared.settings import Settings
 from shared.testconfig import NEW_TOKENS, PROMPT
 
 
@@ -72,7 +75,7 @@ def accelerator(spec: dict[str, Any], backend: Backend) -> dict[str, Any]:
     tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
     logits = [step[0].float().cpu() for step in out.logits]
     if rank == 0:
-        torch.save(logits[0], spec["prefill_path"])
+        np.save(spec["prefill_path"], logits[0].numpy())
     return {
         "token_ids": tokens,
         "text": tokenizer.decode(tokens, skip_special_tokens=True),
@@ -88,8 +91,6 @@ def reference(spec: dict[str, Any], backend: Backend) -> dict[str, Any]:
     """The CPU reference: its own greedy tokens, and the evidence about the accelerator's."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from services.worker.runner.judges import make_judge
 
     acc = spec["accelerator"]
     dtype = getattr(torch, backend.dtype)
@@ -117,27 +118,67 @@ def reference(spec: dict[str, Any], backend: Backend) -> dict[str, Any]:
         best = int(lp.argmax())
         if best != token:
             steps.append(StepEvidence(i, token, best, lp[best].item() - acc_lp, int((lp > lp[token]).sum())))
-    acc_prefill = torch.load(spec["prefill_path"])
-    ref_prefill = out.logits[0][0].float()
-    prefill_error = (torch.linalg.vector_norm(acc_prefill - ref_prefill) / torch.linalg.vector_norm(ref_prefill)).item()
-    ref_text = tokenizer.decode(ref_tokens, skip_special_tokens=True)
+    ref_prefill = out.logits[0][0].float().numpy()
+    np.save(spec["reference_prefill_path"], ref_prefill)
+    cache = {
+        "token_ids": ref_tokens,
+        "text": tokenizer.decode(ref_tokens, skip_special_tokens=True),
+        "reference_loglik": reference_loglik,
+        "generate_s": clock.seconds["generate"],
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+    return conclude(spec, backend.settings, backend.dtype, acc, cache, steps, acc_loglik) | {"cache": cache}
+
+
+def conclude_from_cache(
+    spec: dict[str, Any], settings: Settings, dtype: str, cached: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The verdict from a stored reference, without running the model again; None when that is not enough.
+
+    When the accelerator produced exactly the reference's tokens, scoring them teacher-forced under the
+    reference gives the reference's own log-probs: the stored ones. A divergence needs the model (to score
+    the accelerator's prefix), and so does a judge other than the likelihood one.
+    """
+    acc = spec["accelerator"]
+    sharded = spec["accelerator_world_size"] > 1
+    if acc["token_ids"] != cached["token_ids"] or (sharded and settings.judge_kind != JudgeKind.likelihood):
+        return None
+    return conclude(spec, settings, dtype, acc, cached, [], cached["reference_loglik"])
+
+
+def conclude(
+    spec: dict[str, Any],
+    settings: Settings,
+    dtype: str,
+    acc: dict[str, Any],
+    ref: dict[str, Any],
+    steps: list[StepEvidence],
+    acc_loglik: float,
+) -> dict[str, Any]:
+    """Evidence → verdict, and the report's fields."""
+    from services.worker.runner.judges import make_judge
+
+    acc_prefill = np.load(spec["prefill_path"])
+    ref_prefill = np.load(spec["reference_prefill_path"])
+    prefill_error = float(np.linalg.norm(acc_prefill - ref_prefill) / np.linalg.norm(ref_prefill))
+    acc_tokens, ref_tokens = acc["token_ids"], ref["token_ids"]
     sharded = spec["accelerator_world_size"] > 1
     judge = None
     if sharded:
         with phase(ErrorClass.runtime):
-            judge = make_judge(backend.settings).judge(acc["text"], ref_text, acc_loglik, reference_loglik)
+            judge = make_judge(settings).judge(acc["text"], ref["text"], acc_loglik, ref["reference_loglik"])
     evidence = Evidence(
         generated=acc_tokens,
         reference=ref_tokens,
         divergent_steps=steps,
         accelerator_loglik=acc_loglik,
-        reference_loglik=reference_loglik,
+        reference_loglik=ref["reference_loglik"],
         prefill_rel_error=prefill_error,
         finite=acc["finite"],
         sharded=sharded,
         judge=judge,
     )
-    decision = decide(evidence, Tolerances.for_dtype(backend.dtype))
+    decision = decide(evidence, Tolerances.for_dtype(dtype))
     return {
         "verdict": decision.verdict,
         "verdict_reason": decision.reason,
@@ -146,10 +187,10 @@ def reference(spec: dict[str, Any], backend: Backend) -> dict[str, Any]:
         "generated_token_ids": acc_tokens,
         "reference_token_ids": ref_tokens,
         "generated_text": acc["text"],
-        "reference_text": ref_text,
+        "reference_text": ref["text"],
         "prefill_rel_error": prefill_error,
         "accelerator_loglik": acc_loglik,
-        "reference_loglik": reference_loglik,
+        "reference_loglik": ref["reference_loglik"],
         "judge_kind": judge.kind if judge else None,
         "judge_model": judge.model if judge else None,
         "judge_prompt_hash": judge.prompt_hash if judge else None,
@@ -158,7 +199,7 @@ def reference(spec: dict[str, Any], backend: Backend) -> dict[str, Any]:
         "evidence": {
             "divergent_steps": [vars(s) for s in steps],
             "prompt_sha256": hashlib.sha256(PROMPT.encode()).hexdigest(),
-            "reference_generate_s": clock.seconds["generate"],
-            "reference_peak_rss_bytes": peak_rss_bytes(),
+            "reference_generate_s": ref["generate_s"],
+            "reference_peak_rss_bytes": ref["peak_rss_bytes"],
         },
     }
