@@ -120,8 +120,10 @@ def query_results(
     verdict: Verdict | None = None,
     before_id: int | None = None,
     limit: int | None = None,
+    job_ids: list[int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Newest first; ``before_id`` is the cursor (the last job id of the previous page)."""
+    """Newest first, or in the order of ``job_ids`` when given; ``before_id`` is the cursor (the last job id of
+    the previous page)."""
     stmt = sa.select(Result, Job).join(Job, Result.job_id == Job.id).order_by(Job.id.desc())
     if model_id is not None:
         stmt = stmt.where(Job.model_id == model_id)
@@ -133,9 +135,15 @@ def query_results(
         stmt = stmt.where(Result.verdict == verdict)
     if before_id is not None:
         stmt = stmt.where(Job.id < before_id)
-    if limit is not None:
+    if job_ids is not None:
+        stmt = stmt.where(Job.id.in_(job_ids))
+    if limit is not None and job_ids is None:
         stmt = stmt.limit(limit)
-    return [record(r, j) for r, j in session.execute(stmt).all()]
+    rows = [record(r, j) for r, j in session.execute(stmt).all()]
+    if job_ids is not None:
+        order = {job_id: i for i, job_id in enumerate(job_ids)}
+        rows = sorted(rows, key=lambda r: order[r["job_id"]])[:limit]
+    return rows
 
 
 def to_table(records: Sequence[dict[str, Any]]) -> pa.Table:

@@ -67,6 +67,7 @@ class Settings(BaseSettings):
     sweep_limit: int = Field(20, ge=1, le=1000)
     sweep_selected: list[str] = []
     remote_code_orgs: list[str] = Field([], description="orgs whose trust_remote_code models are tested")
+    sweep_rerun_flips: int = Field(0, ge=0, description="rerun FLAKY cells whose runs flipped this often (0: never)")
 
     # The Hub dataset repo the collector pushes the export to (none: export locally only), and its token.
     publish_repo: str | None = None

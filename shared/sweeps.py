@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from shared import jobs
+from shared.cells import CellStatus, cells
 from shared.enums import Task
 from shared.hub import ModelNotFound, RevisionNotFound, list_top
 from shared.models import Job, Result, Sweep, SweepEntry, utcnow
@@ -92,9 +93,50 @@ def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.S
                     note=note,
                 )
             )
+    to_enqueue += rerun_flipped_cells(session, settings, sweep)
     sweep.state = "done"
     sweep.finished_at = utcnow()
     return to_enqueue
+
+
+def rerun_flipped_cells(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.Submitted]:
+    """One more run of each FLAKY cell of a served compiler whose runs flipped sweep_rerun_flips times."""
+    if not settings.sweep_rerun_flips:
+        return []
+    served = {r.compiler_version for r in jobs.served_runtimes(session, settings)}
+    queued = []
+    for cell in cells(session):
+        if cell.status != CellStatus.FLAKY or cell.flips < settings.sweep_rerun_flips:
+            continue
+        if cell.compiler_version not in served:
+            continue
+        request = Request(cell.model_id, task=Task(cell.task), compilers=[cell.compiler_version], force=True)
+        try:
+            submitted = submit_model(session, settings, request)
+        except (ModelNotFound, RevisionNotFound) as exc:
+            session.add(SweepEntry(sweep_id=sweep.id, model_id=cell.model_id, task=cell.task, view="rerun", rank=0,
+                                   note=str(exc)))  # fmt: skip
+            continue
+        for s in submitted:
+            session.add(SweepEntry(sweep_id=sweep.id, model_id=cell.model_id, task=cell.task, view="rerun", rank=0,
+                                   job_id=s.job.id, created=s.created, note=f"{cell.flips} flips"))  # fmt: skip
+        queued += [s for s in submitted if s.enqueue]
+    return queued
+
+
+def view_job_ids(session: Session, view: str, task: str | None = None) -> list[int]:
+    """The jobs of the newest finished sweep's view (trending, downloads, selected), in rank order."""
+    latest = session.scalar(sa.select(Sweep.id).where(Sweep.state == "done").order_by(Sweep.id.desc()).limit(1))
+    if latest is None:
+        return []
+    stmt = (
+        sa.select(SweepEntry.job_id)
+        .where(SweepEntry.sweep_id == latest, SweepEntry.view == view, SweepEntry.job_id.is_not(None))
+        .order_by(SweepEntry.rank, SweepEntry.id)
+    )
+    if task is not None:
+        stmt = stmt.where(SweepEntry.task == task)
+    return list(dict.fromkeys(session.scalars(stmt)))
 
 
 def progress(session: Session, sweep: Sweep) -> dict[str, object]:

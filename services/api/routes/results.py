@@ -9,8 +9,9 @@ from fastapi import APIRouter, Query, Response
 from services.api.deps import SessionDep, SettingsDep
 from services.api.schemas import CompilerVersion, ModelId, ResultPage, error_responses
 from shared.cells import cells, diff
-from shared.enums import Verdict
+from shared.enums import Task, Verdict
 from shared.records import query_results, to_csv, to_parquet_bytes
+from shared.sweeps import view_job_ids
 
 router = APIRouter(prefix="/results", tags=["results"])
 
@@ -52,6 +53,11 @@ def list_results(
     limit: Annotated[int, Query(ge=1, le=10000)] = 100,
     cursor: Annotated[int | None, Query(ge=1, description="next_cursor of the previous page")] = None,
     format: Literal["json", "csv", "parquet"] = "json",
+    view: Annotated[
+        Literal["trending", "downloads", "selected"] | None,
+        Query(description="the newest sweep's view, in its rank order (as the public Space shows them)"),
+    ] = None,
+    task: Task | None = None,
 ) -> ResultPage | Response:
     limit = min(limit, settings.page_limit_max)
     rows = query_results(
@@ -62,6 +68,7 @@ def list_results(
         verdict=verdict,
         before_id=cursor,
         limit=limit,
+        job_ids=view_job_ids(session, view, task.value if task else None) if view else None,
     )
     next_cursor = str(rows[-1]["job_id"]) if len(rows) == limit else None
     headers = {NEXT_CURSOR_HEADER: next_cursor} if next_cursor else {}
