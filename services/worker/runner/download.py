@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,17 @@ _CONFIG_AND_TOKENIZER = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", 
 class Checkpoint:
     path: Path
     sha: str | None  # None for a local directory
+
+    @property
+    def content_id(self) -> str:
+        """The commit, or for a local directory a digest of its files: what a stored reference is keyed by."""
+        if self.sha:
+            return self.sha
+        digest = hashlib.sha1()
+        for file in sorted(p for p in self.path.rglob("*") if p.is_file()):
+            digest.update(file.relative_to(self.path).as_posix().encode() + b"\0")
+            digest.update(hashlib.sha256(file.read_bytes()).digest())
+        return digest.hexdigest()
 
 
 def download(model: str, revision: str | None, retry_delays_s: list[float]) -> Checkpoint:
