@@ -187,3 +187,67 @@ def test_post_sweeps_starts_one_and_get_shows_its_progress(
         time.sleep(0.5)
     frames = [pd.read_parquet(f) for f in data.glob("*.parquet")]
     assert any((df.model_id == "sweep/minilm").any() for df in frames), (RUN_DIR / "control.log").read_text()[-2000:]
+
+
+def test_two_beat_schedulers_sweep_each_slot_once(tmp_path: Path, hub: Any) -> None:
+    """Two `celery beat` processes with the locked scheduler and a sweep every 2 s: one sends, the slots in
+    SQL keep each sweep single; the (empty) sweeps themselves run on a control worker."""
+    env = {**os.environ, "SUPPORTMATRIX_SWEEP_EVERY_S": "2", "SUPPORTMATRIX_SWEEP_TASKS": "[]",
+           "SUPPORTMATRIX_SWEEP_SELECTED": "[]"}  # fmt: skip
+    celery = [sys.executable, "-m", "celery", "-A", "services.worker.celery_app:app"]
+    procs = [
+        subprocess.Popen(
+            [
+                *celery,
+                "beat",
+                "--scheduler",
+                "services.worker.beat:LockedScheduler",
+                "--schedule",
+                str(tmp_path / f"beat-{i}"),
+                "--loglevel",
+                "INFO",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=(RUN_DIR / f"beat-{i}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for i in range(2)
+    ]
+    procs.append(
+        subprocess.Popen(
+            [
+                *celery,
+                "worker",
+                "--queues",
+                "supportmatrix.control",
+                "--pool",
+                "solo",
+                "--hostname",
+                "beat-control@%h",
+                "--without-gossip",
+                "--without-mingle",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=(RUN_DIR / "beat-control.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    )
+    try:
+        time.sleep(14)
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            proc.wait(30)
+    from shared.db import new_session
+    from shared.models import Sweep
+
+    with new_session() as session:
+        slots = session.scalars(sa.select(Sweep.slot).where(Sweep.trigger == "schedule")).all()
+    assert 2 <= len(slots) <= 8 and len(set(slots)) == len(slots), slots  # each 2-s slot swept at most once
+    sent = [(RUN_DIR / f"beat-{i}.log").read_text().count("Sending due task sweep") for i in range(2)]
+    assert min(sent) == 0 and max(sent) >= 2, sent  # only the lock holder sends

@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> RunReport:
             )
             accelerator = ranks[0]
             accelerator["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in ranks)
+            runtime = RuntimeInfo(**accelerator["runtime"])
             reference_spec = {
                 **common,
                 "role": "reference",
@@ -167,14 +168,13 @@ def run(args: argparse.Namespace) -> RunReport:
                 "reference_prefill_path": str(workdir / "reference-prefill-logits.npy"),
             }
             reference, report.reference_reused = reference_once(
-                reference_spec, backend, checkpoint, RuntimeInfo(**accelerator["runtime"]), timeout_s, workdir
+                reference_spec, backend, checkpoint, runtime, timeout_s, workdir
             )
     except RunFailure as failure:
         report.verdict = Verdict.SKIPPED if failure.error_class == ErrorClass.too_large else Verdict.ERROR
         report.error_class = failure.error_class
         report.error_message = failure.message
         return report
-    runtime = RuntimeInfo(**accelerator["runtime"])
     report = RunReport.model_validate(report.model_dump() | reference)
     report.compiler_name = runtime.compiler_name
     report.compiler_version = runtime.compiler_version
