@@ -21,7 +21,7 @@ from shared.enums import Task
 from shared.hub import ModelNotFound, RevisionNotFound, list_top
 from shared.models import Job, Result, Sweep, SweepEntry, utcnow
 from shared.settings import Settings
-from shared.submission import Request, UnsupportedTask, submit_model
+from shared.submission import Request, submit_model
 
 PIPELINES = {
     Task.text_generation.value: ["text-generation"],
@@ -68,35 +68,41 @@ def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.S
     sweep.state = "running"
     sweep.config = {"tasks": settings.sweep_tasks, "limit": settings.sweep_limit, "selected": settings.sweep_selected}
     to_enqueue: list[jobs.Submitted] = []
-    submitted_before: dict[tuple[str, str], list[jobs.Submitted]] = {}
+    # A model in several views is submitted once; each view still gets its entry.
+    submitted_before: dict[tuple[str, str], tuple[list[jobs.Submitted], str | None]] = {}
     for c in candidates(settings):
         key = (c.model_id, c.task)
-        note = None
         if key not in submitted_before:
             try:
-                submitted_before[key] = submit_model(session, settings, Request(c.model_id, task=Task(c.task)))
-            except (ModelNotFound, RevisionNotFound, UnsupportedTask, jobs.UnknownCompiler, jobs.NoRuntime) as exc:
-                submitted_before[key] = []
-                note = str(exc)
-            to_enqueue += [s for s in submitted_before[key] if s.enqueue]
-        subs = submitted_before[key]
-        for s in subs or [None]:
-            session.add(
-                SweepEntry(
-                    sweep_id=sweep.id,
-                    model_id=c.model_id,
-                    task=c.task,
-                    view=c.view,
-                    rank=c.rank,
-                    job_id=s.job.id if s else None,
-                    created=bool(s and s.created),
-                    note=note,
-                )
-            )
+                submitted = submit_model(session, settings, Request(c.model_id, task=Task(c.task)))
+                submitted_before[key] = (submitted, None)
+            except (ModelNotFound, RevisionNotFound, ValueError, jobs.NoRuntime) as exc:  # ValueError: task, compiler
+                submitted_before[key] = ([], str(exc))
+            to_enqueue += [s for s in submitted_before[key][0] if s.enqueue]
+        add_entries(session, sweep, c, *submitted_before[key])
     to_enqueue += rerun_flipped_cells(session, settings, sweep)
     sweep.state = "done"
     sweep.finished_at = utcnow()
     return to_enqueue
+
+
+def add_entries(
+    session: Session, sweep: Sweep, candidate: Candidate, submitted: list[jobs.Submitted], note: str | None
+) -> None:
+    """One entry per job the candidate got, or one entry with the note saying why it got none."""
+    for s in submitted or [None]:
+        session.add(
+            SweepEntry(
+                sweep_id=sweep.id,
+                model_id=candidate.model_id,
+                task=candidate.task,
+                view=candidate.view,
+                rank=candidate.rank,
+                job_id=s.job.id if s else None,
+                created=bool(s and s.created),
+                note=note,
+            )
+        )
 
 
 def rerun_flipped_cells(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.Submitted]:
@@ -111,15 +117,13 @@ def rerun_flipped_cells(session: Session, settings: Settings, sweep: Sweep) -> l
         if cell.compiler_version not in served:
             continue
         request = Request(cell.model_id, task=Task(cell.task), compilers=[cell.compiler_version], force=True)
+        candidate = Candidate(cell.model_id, cell.task, "rerun", 0)
         try:
             submitted = submit_model(session, settings, request)
         except (ModelNotFound, RevisionNotFound) as exc:
-            session.add(SweepEntry(sweep_id=sweep.id, model_id=cell.model_id, task=cell.task, view="rerun", rank=0,
-                                   note=str(exc)))  # fmt: skip
+            add_entries(session, sweep, candidate, [], str(exc))
             continue
-        for s in submitted:
-            session.add(SweepEntry(sweep_id=sweep.id, model_id=cell.model_id, task=cell.task, view="rerun", rank=0,
-                                   job_id=s.job.id, created=s.created, note=f"{cell.flips} flips"))  # fmt: skip
+        add_entries(session, sweep, candidate, submitted, f"{cell.flips} flips")
         queued += [s for s in submitted if s.enqueue]
     return queued
 
