@@ -20,7 +20,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from testing.services import Started, ensure_redis, free_port  # noqa: E402
+from shared.processes import free_port  # noqa: E402
+from testing.services import Started, ensure_redis  # noqa: E402
 
 FINISHED = {"done", "failed", "cancelled"}
 DEMO_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-qwen3-moe")

@@ -55,9 +55,6 @@ class Cell:
     runs: int
     flips: int
 
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "status": self.status.value}
-
 
 def cells(session: Session, *, compiler: str | None = None, library_version: str | None = None) -> list[Cell]:
     stmt = (

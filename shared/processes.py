@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import signal
+import socket
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+OUTPUT_TAIL_CHARS = 3000
 
 
 def describe_exit(returncode: int) -> str:
@@ -24,3 +27,14 @@ def die_with_parent() -> None:
     """Run in a child between fork and exec: the kernel sends it SIGKILL when its parent exits."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def output_tail(log: Path) -> str:
+    """The end of a child's captured output, for an error message about it."""
+    return log.read_text(errors="replace")[-OUTPUT_TAIL_CHARS:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -88,10 +88,6 @@ def shape_from_config(parameters: int, config: dict[str, Any]) -> ModelShape:
     )
 
 
-def parameters_from_safetensors(parameters_by_dtype: dict[str, int]) -> int:
-    return sum(parameters_by_dtype.values())
-
-
 def parameters_from_file_sizes(total_bytes: int, dtype: str | None) -> int:
     """A fallback for repos without safetensors metadata: bytes on disk / bytes per parameter."""
     bytes_per = _DTYPE_BYTES.get((dtype or "").upper().replace("BFLOAT16", "BF16").replace("FLOAT16", "F16")

@@ -26,12 +26,6 @@ def port_answers(host: str, port: int, timeout: float = 0.5) -> bool:
     return False
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_for(host: str, port: int, seconds: float, what: str) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from testing.services import Started, ensure_postgres, ensure_redis, free_port
+from shared.processes import free_port
+from testing.services import Started, ensure_postgres, ensure_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_DIR = Path(tempfile.mkdtemp(prefix="supportmatrix-tests-"))

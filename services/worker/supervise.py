@@ -22,11 +22,9 @@ from shared.cores import CoreGroup, cpu_set, pin_environment
 from shared.enums import ErrorClass, Verdict
 from shared.jobs import job_report
 from shared.models import Job
-from shared.processes import describe_exit
+from shared.processes import describe_exit, output_tail
 from shared.runtime import RunReport
 from shared.settings import Settings, child_environment
-
-LOG_TAIL_CHARS = 3000
 
 
 def runner_command(job: Job, report_path: Path, group: CoreGroup) -> list[str]:
@@ -99,7 +97,7 @@ def supervise(
     try:
         report = RunReport.model_validate_json(report_path.read_text())
     except (OSError, ValidationError) as exc:
-        tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        tail = output_tail(log_path)
         message = f"runner {describe_exit(returncode)} without a report ({type(exc).__name__}); output:\n{tail}"
         return error_report(job, ErrorClass.crash, message, group)
     report.cores = job.cores

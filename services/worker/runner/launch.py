@@ -9,7 +9,6 @@ killed with it.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,10 @@ from typing import Any
 
 from services.worker.runner.failures import RunFailure
 from shared.enums import ErrorClass
-from shared.processes import describe_exit, die_with_parent
+from shared.processes import describe_exit, die_with_parent, free_port, output_tail
 from shared.settings import child_environment
 
-OUTPUT_TAIL_CHARS = 3000
 POLL_S = 0.2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_child(spec: dict[str, Any], env: dict[str, str], timeout_s: float, workdir: Path) -> dict[str, Any]:
@@ -96,7 +88,7 @@ def _wait_all(ranks: list[tuple[str, subprocess.Popen[bytes], Path, Path]], time
 
 def _outcome(name: str, proc: subprocess.Popen[bytes], out: Path, log_path: Path) -> dict[str, Any]:
     if not out.exists():
-        tail = log_path.read_text(errors="replace")[-OUTPUT_TAIL_CHARS:]
+        tail = output_tail(log_path)
         raise RunFailure(ErrorClass.crash, f"{name} process {describe_exit(proc.wait())}; output:\n{tail}")
     outcome = json.loads(out.read_text())
     if not outcome["ok"]:
