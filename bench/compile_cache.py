@@ -25,7 +25,7 @@ def run(model: Path, cache: Path, backend: str) -> dict[str, object]:
     env = {**os.environ, "SUPPORTMATRIX_CACHE_DIR": str(cache), "SUPPORTMATRIX_CPU_COMPILE_BACKEND": backend,
            "SUPPORTMATRIX_DATA_DIR": str(cache.parent / "data")}  # fmt: skip
     out = subprocess.run(
-        [sys.executable, "-m", "services.worker.runner", str(model), "--cores", "1"],
+        [sys.executable, "-m", "services.runner", str(model), "--cores", "1"],
         cwd=ROOT, env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
     report = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""Alembic environment: the URL comes from shared.settings, the target schema from shared.models."""
+"""Alembic environment: the URL comes from shared.settings, the target schema from shared.db.models."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from logging.config import fileConfig
 
 from alembic import context
 
-from shared.db import make_engine
-from shared.models import Base
+from shared.db.engine import make_engine
+from shared.db.models import Base
 from shared.settings import get_settings
 
 config = context.config

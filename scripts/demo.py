@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         step(f"Redis at {settings.redis_url}")
         ensure_redis(settings.redis_url, started)
         step(f"SQLite at {settings.database_url}: migrating")
-        from shared.migrate import upgrade
+        from shared.db.migrate import upgrade
 
         upgrade()
 

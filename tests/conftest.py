@@ -79,7 +79,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     with psycopg.connect(PG_BASE.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
         conn.execute(f"CREATE SCHEMA {SCHEMA}")
-    from shared.migrate import upgrade
+    from shared.db.migrate import upgrade
 
     upgrade()
 
@@ -88,7 +88,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     import psycopg
     import redis
 
-    from shared.db import get_engine
+    from shared.db.engine import get_engine
 
     get_engine().dispose()
     with psycopg.connect(PG_BASE.replace("postgresql+psycopg", "postgresql"), autocommit=True) as conn:
@@ -103,8 +103,8 @@ def session(tmp_path: Path) -> Iterator[Any]:
     """A migrated SQLite database of this test's own, for rules that need no services."""
     from sqlalchemy.orm import Session
 
-    from shared.db import make_engine
-    from shared.migrate import upgrade
+    from shared.db.engine import make_engine
+    from shared.db.migrate import upgrade
 
     url = f"sqlite:///{tmp_path / 'rules.db'}"
     upgrade(url)
@@ -172,8 +172,8 @@ class WorkerProcess:
     def wait_registered(self, timeout: float = 120) -> None:
         import sqlalchemy as sa
 
-        from shared.db import new_session
-        from shared.models import Worker
+        from shared.db.engine import new_session
+        from shared.db.models import Worker
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -194,7 +194,7 @@ class WorkerProcess:
                 cmd = child.cmdline()
             except psutil.NoSuchProcess:
                 continue
-            if cmd[1:4] == ["-m", "services.worker.runner", model_id]:
+            if cmd[1:4] == ["-m", "services.runner", model_id]:
                 found.append(child)
         return found
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from shared import jobs
+from shared.contracts import RunReport, RuntimeInfo
 from shared.enums import ErrorClass, Verdict
-from shared.hub import ResolvedModel
-from shared.runtime import RunReport, RuntimeInfo
+from shared.hub.client import ResolvedModel
+from shared.jobs import rules as jobs
 from shared.settings import Settings
 
 

@@ -9,11 +9,11 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from shared import jobs
-from shared.db import session_scope
+from shared.contracts import RunReport, RuntimeInfo
+from shared.db.engine import session_scope
 from shared.enums import Verdict
-from shared.hub import ResolvedModel
-from shared.runtime import RunReport, RuntimeInfo
+from shared.hub.client import ResolvedModel
+from shared.jobs import rules as jobs
 from shared.settings import Settings, get_settings
 
 RUNTIME = RuntimeInfo(

@@ -15,7 +15,7 @@ def test_services_do_not_import_torch_or_the_runner(module: str) -> None:
     code = (
         f"import importlib, sys; importlib.import_module({module!r}); "
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'transformers', "
-        "'services.worker.runner'))); print(bad); sys.exit(1 if bad else 0)"
+        "'services.runner'))); print(bad); sys.exit(1 if bad else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -6,10 +6,10 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from shared.cells import CellStatus, cell_status, cells, diff, flips
-from shared.db import new_session
+from shared.contracts import RuntimeInfo
+from shared.db.engine import new_session
 from shared.enums import Verdict
-from shared.runtime import RuntimeInfo
+from shared.results.cells import CellStatus, cell_status, cells, diff, flips
 from tests.history import record, runtime
 
 OLD, NEW = "2.21.0+old", "2.22.0+new"

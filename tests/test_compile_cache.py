@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.compile_cache import Remote, namespace, remote_for
+from services.runner.compile_cache import Remote, namespace, remote_for
 
 
 def fill(root: Path, files: dict[str, bytes]) -> None:

@@ -8,8 +8,8 @@ import pandas as pd
 from sqlalchemy.orm import Session
 
 from shared.enums import Verdict
-from shared.export import export_results
-from shared.records import COLUMNS
+from shared.results.export import export_results
+from shared.results.records import COLUMNS
 from tests.history import record, runtime
 
 PUBLIC = ["model_id", "neuronx_cc", "library", "library_version", "neuron_cores", "result"]

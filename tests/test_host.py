@@ -10,8 +10,8 @@ import sqlalchemy as sa
 
 from services.worker.host import HostLauncher
 from shared.cores import CoreGroup
-from shared.db import new_session
-from shared.models import Worker
+from shared.db.engine import new_session
+from shared.db.models import Worker
 from shared.settings import get_settings
 from tests.conftest import wait_for_job
 from tests.test_pipeline import FINISHED, submit

@@ -9,11 +9,11 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from shared import jobs
+from shared.contracts import RunReport, RuntimeInfo
+from shared.db.models import Job, Result, Worker, utcnow
 from shared.enums import ErrorClass, JobState, Verdict
-from shared.hub import ResolvedModel
-from shared.models import Job, Result, Worker, utcnow
-from shared.runtime import RunReport, RuntimeInfo
+from shared.hub.client import ResolvedModel
+from shared.jobs import rules as jobs
 from shared.settings import Settings
 
 RUNTIME = RuntimeInfo(

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from services.worker.runner.judges import PROMPT_HASH, LikelihoodJudge, LocalLMJudge, OpenAIJudge, make_judge
+from services.runner.judges import PROMPT_HASH, LikelihoodJudge, LocalLMJudge, OpenAIJudge, make_judge
 from shared.settings import Settings
 from tests.test_runner import run_runner
 

@@ -54,7 +54,7 @@ def test_submitted_model_ends_in_a_pass_row_exported_to_parquet(api: Any, worker
     assert row["peak_memory_bytes"] > 100 * 2**20  # VmHWM of a process that imported torch
     assert row["reproduce"] == (
         "SUPPORTMATRIX_CPU_COMPILE_BACKEND=aot_eager "
-        f"python -m services.worker.runner org/tiny-llama --revision {job['sha']} --backend cpu"
+        f"python -m services.runner org/tiny-llama --revision {job['sha']} --backend cpu"
     )
     [live] = [w for w in api.get("/workers").json() if w["name"].startswith("w-main@")]
     assert live["compiler_version"] == row["neuronx_cc"] and live["queue"] == job["queue"]
@@ -85,7 +85,7 @@ def test_submitted_model_ends_in_a_pass_row_exported_to_parquet(api: Any, worker
     ]
 
     # Another delivery of the finished job's message does nothing: single execution is a SQL invariant.
-    from shared.broker import enqueue_job, get_producer
+    from shared.jobs.broker import enqueue_job, get_producer
 
     enqueue_job(get_producer(), job["id"], job["queue"])
     time.sleep(3)
@@ -217,9 +217,9 @@ def _queued_state(api: Any) -> tuple[int, int]:
     import redis
     import sqlalchemy as sa
 
-    from shared.db import new_session
-    from shared.models import Job
-    from shared.queues import job_queue
+    from shared.db.engine import new_session
+    from shared.db.models import Job
+    from shared.jobs.queues import job_queue
     from shared.settings import get_settings
 
     with new_session() as session:
@@ -229,7 +229,7 @@ def _queued_state(api: Any) -> tuple[int, int]:
 
 
 def test_submission_with_the_queue_down_is_a_503_that_keeps_nothing(api: Any, worker: Any) -> None:
-    from shared.broker import get_producer, make_celery
+    from shared.jobs.broker import get_producer, make_celery
     from shared.settings import Settings
 
     dead = make_celery(Settings(redis_url="redis://127.0.0.1:1/0"))

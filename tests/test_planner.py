@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from services.worker.planner import overlaps, plan_layout, reconcile
 from shared.cores import CoreGroup, cpu_set, format_cpus
-from shared.planner import overlaps, plan_layout, reconcile
 
 HOST = 64
 

@@ -13,8 +13,8 @@ from huggingface_hub.errors import HfHubHTTPError
 from sqlalchemy.orm import Session
 
 from shared.enums import Verdict
-from shared.export import export_results
-from shared.publish import publish
+from shared.results.export import export_results
+from shared.results.publish import publish
 from tests.conftest import HUB_TOKEN
 from tests.history import record, runtime
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared import references
-from shared.db import new_session
+from shared.db.engine import new_session
+from shared.results import references
 from tests.test_runner import run_runner
 
 MODELS = ("refs/tiny-qwen3", "refs/tiny-gpt2")  # an org no other test submits

@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from services.worker.runner.failures import RunFailure, classify
-from services.worker.runner.launch import run_child
+from services.runner.failures import RunFailure, classify
+from services.runner.launch import run_child
 from shared.enums import ErrorClass
 from tests.conftest import ROOT, RUN_DIR
 
 
 def run_runner(*args: str, **env: str) -> tuple[int, dict[str, Any]]:
     proc = subprocess.run(
-        [sys.executable, "-m", "services.worker.runner", *args],
+        [sys.executable, "-m", "services.runner", *args],
         cwd=ROOT,
         env={**os.environ, **env},
         capture_output=True,
@@ -50,7 +50,7 @@ def test_inductor_compiles_and_a_second_host_hits_the_shared_cache(tiny_models: 
     assert any((Path(remote) / "inductor-inductor-2.13.0+cpu").rglob("*"))
     assert report["compile_s"] > report["generate_s"]
     assert report["sha"] is None  # a local directory has no commit
-    assert report["reproduce"] == f"python -m services.worker.runner {tiny_models / 'tiny-llama'} --backend cpu"
+    assert report["reproduce"] == f"python -m services.runner {tiny_models / 'tiny-llama'} --backend cpu"
 
     code, warm = run_runner(str(tiny_models / "tiny-llama"), SUPPORTMATRIX_CACHE_DIR=str(RUN_DIR / "cache-b"), **common)
     assert code == 0 and warm["compile_cache"] == "hit", warm
@@ -97,7 +97,7 @@ def test_an_unreachable_hub_is_retried_then_an_error_of_its_own_class(tmp_path: 
 
 def test_describe_reports_what_this_machine_serves() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "services.worker.runner", "--describe"],
+        [sys.executable, "-m", "services.runner", "--describe"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -110,7 +110,7 @@ def test_describe_reports_what_this_machine_serves() -> None:
 
 def test_bad_usage_exits_2_with_a_message() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "services.worker.runner", "--backend", "tpu", "org/x"],
+        [sys.executable, "-m", "services.runner", "--backend", "tpu", "org/x"],
         cwd=ROOT,
         capture_output=True,
         text=True,

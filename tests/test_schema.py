@@ -11,8 +11,8 @@ import pytest
 import sqlalchemy as sa
 from alembic import command
 
-from shared.db import make_engine
-from shared.migrate import alembic_config, downgrade, upgrade
+from shared.db.engine import make_engine
+from shared.db.migrate import alembic_config, downgrade, upgrade
 from tests.conftest import PG_BASE, pg_url
 
 TABLES = {"jobs", "results", "workers", "sweeps", "sweep_entries", "reference_runs"}

@@ -76,7 +76,7 @@ def test_benign_noise_never_fails(tiny_models: Path, threads: int) -> None:
 
 def test_a_rank_that_dies_takes_its_group_down_and_is_named(tiny_models: Path) -> None:
     runner = subprocess.Popen(
-        [sys.executable, "-m", "services.worker.runner", str(tiny_models / "tiny-llama"), "--cores", "2"],
+        [sys.executable, "-m", "services.runner", str(tiny_models / "tiny-llama"), "--cores", "2"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.sizing import GIB, ModelShape, shape_from_config, size_model
+from shared.hub.sizing import GIB, ModelShape, shape_from_config, size_model
 
 TRN2_CORE = 24 * GIB  # one logical NeuronCore at LNC=2
 

@@ -19,11 +19,11 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from services.worker.beat import RedisLock
+from shared.contracts import RuntimeInfo
+from shared.db.models import Job, Worker
 from shared.enums import Verdict
-from shared.models import Job, Worker
-from shared.runtime import RuntimeInfo
+from shared.jobs.sweeps import open_sweep, run_sweep
 from shared.settings import Settings, get_settings
-from shared.sweeps import open_sweep, run_sweep
 from tests.conftest import HUB_TOKEN, ROOT, RUN_DIR
 from tests.history import record
 
@@ -243,8 +243,8 @@ def test_two_beat_schedulers_sweep_each_slot_once(tmp_path: Path, hub: Any) -> N
             os.killpg(proc.pid, signal.SIGTERM)
         for proc in procs:
             proc.wait(30)
-    from shared.db import new_session
-    from shared.models import Sweep
+    from shared.db.engine import new_session
+    from shared.db.models import Sweep
 
     with new_session() as session:
         slots = session.scalars(sa.select(Sweep.slot).where(Sweep.trigger == "schedule")).all()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.worker.runner.verdict import Evidence, JudgeOutcome, StepEvidence, Tolerances, decide, first_divergence
 from shared.enums import Verdict
+from shared.results.verdict import Evidence, JudgeOutcome, StepEvidence, Tolerances, decide, first_divergence
 
 BF16 = Tolerances.for_dtype("bfloat16")
 FP32 = Tolerances.for_dtype("float32")

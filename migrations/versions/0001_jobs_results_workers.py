@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import shared.models
+import shared.db.models
 
 
 revision: str = '0001'
@@ -37,10 +37,10 @@ def upgrade() -> None:
     sa.Column('state', sa.Enum('queued', 'running', 'done', 'failed', 'cancelled', name='jobstate', native_enum=False, length=13), nullable=False),
     sa.Column('attempts', sa.Integer(), nullable=False),
     sa.Column('lease_owner', sa.String(length=200), nullable=True),
-    sa.Column('heartbeat_at', shared.models.UTCDateTime(timezone=True), nullable=True),
-    sa.Column('created_at', shared.models.UTCDateTime(timezone=True), nullable=False),
-    sa.Column('started_at', shared.models.UTCDateTime(timezone=True), nullable=True),
-    sa.Column('finished_at', shared.models.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('heartbeat_at', shared.db.models.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('created_at', shared.db.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('started_at', shared.db.models.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('finished_at', shared.db.models.UTCDateTime(timezone=True), nullable=True),
     sa.Column('error_class', sa.Enum('download', 'gated', 'not_found', 'load', 'compile', 'runtime', 'oom', 'timeout', 'crash', 'worker_lost', 'internal', name='errorclass', native_enum=False, length=15), nullable=True),
     sa.Column('error_message', sa.Text(), nullable=True),
     sa.PrimaryKeyConstraint('id')
@@ -64,8 +64,8 @@ def upgrade() -> None:
     sa.Column('cores', sa.String(length=32), nullable=False),
     sa.Column('core_count', sa.Integer(), nullable=False),
     sa.Column('queue', sa.String(length=200), nullable=False),
-    sa.Column('started_at', shared.models.UTCDateTime(timezone=True), nullable=False),
-    sa.Column('heartbeat_at', shared.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('started_at', shared.db.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('heartbeat_at', shared.db.models.UTCDateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('name')
     )
     op.create_table('results',
@@ -91,7 +91,7 @@ def upgrade() -> None:
     sa.Column('library_version', sa.String(length=64), nullable=True),
     sa.Column('compiler_version', sa.String(length=100), nullable=True),
     sa.Column('reproduce', sa.Text(), nullable=True),
-    sa.Column('created_at', shared.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', shared.db.models.UTCDateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id'),
     sa.UniqueConstraint('job_id')

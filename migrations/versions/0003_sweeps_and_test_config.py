@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import shared.models
+import shared.db.models
 
 
 revision: str = '0003'
@@ -28,8 +28,8 @@ def upgrade() -> None:
     sa.Column('state', sa.String(length=16), nullable=False),
     sa.Column('config', sa.JSON(), nullable=False),
     sa.Column('error', sa.Text(), nullable=True),
-    sa.Column('created_at', shared.models.UTCDateTime(timezone=True), nullable=False),
-    sa.Column('finished_at', shared.models.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('created_at', shared.db.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('finished_at', shared.db.models.UTCDateTime(timezone=True), nullable=True),
     sa.PrimaryKeyConstraint('id'),
     sa.UniqueConstraint('slot')
     )

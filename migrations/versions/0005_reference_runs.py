@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-import shared.models
+import shared.db.models
 
 
 revision: str = '0005'
@@ -32,7 +32,7 @@ def upgrade() -> None:
     sa.Column('torch_version', sa.String(length=64), nullable=False),
     sa.Column('data', sa.JSON(), nullable=False),
     sa.Column('blob', sa.LargeBinary(), nullable=True),
-    sa.Column('created_at', shared.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', shared.db.models.UTCDateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('key')
     )
     with op.batch_alter_table('reference_runs', schema=None) as batch_op:

@@ -9,8 +9,8 @@ from celery import Celery
 from fastapi import Depends
 from sqlalchemy.orm import Session
 
-from shared.broker import get_producer
-from shared.db import new_session
+from shared.db.engine import new_session
+from shared.jobs.broker import get_producer
 from shared.settings import Settings, get_settings
 
 

@@ -1,4 +1,4 @@
-"""The FastAPI app: `uvicorn services.api.main:app`. Run `python -m shared.migrate` before it starts."""
+"""The FastAPI app: `uvicorn services.api.main:app`. Run `python -m shared.db.migrate` before it starts."""
 
 from __future__ import annotations
 

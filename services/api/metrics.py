@@ -8,10 +8,10 @@ import sqlalchemy as sa
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from shared.db import new_session
+from shared.db.engine import new_session
+from shared.db.models import Job, Result
 from shared.enums import JobState, Verdict
-from shared.jobs import live_workers
-from shared.models import Job, Result
+from shared.jobs.rules import live_workers
 from shared.settings import get_settings
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from shared.enums import ErrorClass, JobState, Task
-from shared.hub import MODEL_ID_PATTERN, REVISION_PATTERN, is_model_id, is_revision
+from shared.hub.client import MODEL_ID_PATTERN, REVISION_PATTERN, is_model_id, is_revision
 
 COMPILER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$"
 

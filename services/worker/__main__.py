@@ -14,15 +14,15 @@ import sys
 
 from services.worker import registry
 from services.worker.celery_app import app
+from shared.contracts import RuntimeInfo
 from shared.cores import CoreGroup
-from shared.queues import job_queue
-from shared.runtime import RuntimeInfo
+from shared.jobs.queues import job_queue
 from shared.settings import child_environment, get_settings
 
 
 def describe_runtime(backend: str) -> RuntimeInfo:
     out = subprocess.run(
-        [sys.executable, "-m", "services.worker.runner", "--describe", "--backend", backend],
+        [sys.executable, "-m", "services.runner", "--describe", "--backend", backend],
         env=child_environment({}),
         capture_output=True,
         text=True,

@@ -12,8 +12,8 @@ from typing import Any
 from celery.signals import worker_ready, worker_shutdown
 
 from services.worker import registry
-from shared.broker import make_celery
-from shared.queues import SWEEP_TASK
+from shared.jobs.broker import make_celery
+from shared.jobs.queues import SWEEP_TASK
 from shared.settings import get_settings
 
 settings = get_settings()

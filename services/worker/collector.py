@@ -10,9 +10,9 @@ import argparse
 import sys
 import time
 
-from shared.db import session_scope
-from shared.export import export_results
-from shared.publish import publish
+from shared.db.engine import session_scope
+from shared.results.export import export_results
+from shared.results.publish import publish
 from shared.settings import get_settings
 
 

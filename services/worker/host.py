@@ -15,11 +15,11 @@ import threading
 
 import sqlalchemy as sa
 
+from services.worker.planner import overlaps, plan_layout, reconcile
 from shared.cores import CoreGroup
-from shared.db import new_session
+from shared.db.engine import new_session
+from shared.db.models import Job
 from shared.enums import ACTIVE_STATES
-from shared.models import Job
-from shared.planner import overlaps, plan_layout, reconcile
 from shared.settings import Settings, get_settings
 
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
+from shared.contracts import RuntimeInfo
 from shared.cores import CoreGroup
-from shared.db import session_scope
-from shared.models import Worker, utcnow
-from shared.runtime import RuntimeInfo
+from shared.db.engine import session_scope
+from shared.db.models import Worker, utcnow
 from shared.settings import get_settings
 
 

@@ -1,6 +1,6 @@
 """Running one job's runner as a child process: hard timeout, lease heartbeats, cancel, crash capture.
 
-The worker never imports torch or the runner: it starts `python -m services.worker.runner` in its own
+The worker never imports torch or the runner: it starts `python -m services.runner` in its own
 process group and reads the report it writes. Whatever happens to that process — crash, hang, OOM kill —
 ends here as a RunReport (ERROR with its class), never as a dead worker.
 """
@@ -18,12 +18,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from shared.contracts import RunReport
 from shared.cores import CoreGroup, cpu_set, pin_environment
+from shared.db.models import Job
 from shared.enums import ErrorClass, Verdict
-from shared.jobs import job_report
-from shared.models import Job
+from shared.jobs.rules import job_report
 from shared.processes import describe_exit, output_tail
-from shared.runtime import RunReport
 from shared.settings import Settings, child_environment
 
 
@@ -31,7 +31,7 @@ def runner_command(job: Job, report_path: Path, group: CoreGroup) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "services.worker.runner",
+        "services.runner",
         job.model_id,
         "--revision",
         job.sha,

@@ -12,15 +12,15 @@ from services.worker import registry
 from services.worker.celery_app import app
 from services.worker.collector import export_once
 from services.worker.supervise import supervise
-from shared.broker import enqueue_job, request_export
-from shared.db import session_scope
+from shared.db.engine import session_scope
+from shared.db.models import Sweep
 from shared.enums import ErrorClass
-from shared.hub import HubUnavailable
-from shared.jobs import acquire_lease, finish, heartbeat
-from shared.models import Sweep
-from shared.queues import EXPORT_TASK, RUN_JOB_TASK, SWEEP_TASK
+from shared.hub.client import HubUnavailable
+from shared.jobs.broker import enqueue_job, request_export
+from shared.jobs.queues import EXPORT_TASK, RUN_JOB_TASK, SWEEP_TASK
+from shared.jobs.rules import acquire_lease, finish, heartbeat
+from shared.jobs.sweeps import open_sweep, run_sweep
 from shared.settings import get_settings
-from shared.sweeps import open_sweep, run_sweep
 
 SWEEP_RETRIES = 4  # 2 + 4 + 8 + 16 s of backoff before a sweep gives up on the Hub
 

@@ -19,12 +19,12 @@ from services.api.schemas import (
     SubmittedJob,
     error_responses,
 )
-from shared import jobs as job_rules
-from shared.broker import enqueue_job, revoke_job
+from shared.db.models import Job
 from shared.enums import JobState
-from shared.hub import HubUnavailable, ModelNotFound, RevisionNotFound
-from shared.models import Job
-from shared.submission import Request, UnsupportedTask, submit_model
+from shared.hub.client import HubUnavailable, ModelNotFound, RevisionNotFound
+from shared.jobs import rules as job_rules
+from shared.jobs.broker import enqueue_job, revoke_job
+from shared.jobs.submission import Request, UnsupportedTask, submit_model
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 

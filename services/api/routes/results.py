@@ -8,10 +8,10 @@ from fastapi import APIRouter, Query, Response
 
 from services.api.deps import SessionDep, SettingsDep
 from services.api.schemas import CompilerVersion, ModelId, ResultPage, error_responses
-from shared.cells import cells, diff
 from shared.enums import Task, Verdict
-from shared.records import query_results, to_csv, to_parquet_bytes
-from shared.sweeps import view_job_ids
+from shared.jobs.sweeps import view_job_ids
+from shared.results.cells import cells, diff
+from shared.results.records import query_results, to_csv, to_parquet_bytes
 
 router = APIRouter(prefix="/results", tags=["results"])
 

@@ -10,9 +10,9 @@ from redis.exceptions import RedisError
 
 from services.api.deps import ProducerDep, SessionDep, SettingsDep
 from services.api.schemas import error_responses
-from shared.models import Sweep
-from shared.queues import CONTROL_QUEUE, SWEEP_TASK
-from shared.sweeps import open_sweep, progress
+from shared.db.models import Sweep
+from shared.jobs.queues import CONTROL_QUEUE, SWEEP_TASK
+from shared.jobs.sweeps import open_sweep, progress
 
 router = APIRouter(prefix="/sweeps", tags=["sweeps"])
 

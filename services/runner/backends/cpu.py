@@ -1,0 +1,50 @@
+"""The CPU backend: inductor (or the configured dynamo backend) on this machine's cores."""
+
+from __future__ import annotations
+
+import os
+
+from services.runner.backends.base import Backend, inductor_cache_outcome
+from services.runner.compile_cache import local_cache_dir
+from services.runner.measure import peak_rss_bytes
+from shared.cores import format_cpus
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    device = "cpu"
+    collective = "gloo"
+
+    @property
+    def compile_backend(self) -> str:  # type: ignore[override]
+        return self.settings.cpu_compile_backend
+
+    def reproduce_env(self) -> dict[str, str]:
+        if self.compile_backend == "inductor":
+            return {}
+        return {"SUPPORTMATRIX_CPU_COMPILE_BACKEND": self.compile_backend}
+
+    def accelerator_env(self) -> dict[str, str]:
+        inductor = local_cache_dir(self.settings.cache_path, self.name)
+        # Inductor writes precompiled headers under TMPDIR whatever its cache dir says: keep both together.
+        return {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TMPDIR": str(inductor / "tmp")}
+
+    def compiler(self) -> tuple[str, str]:
+        import torch
+
+        return self.compile_backend, f"{self.compile_backend}-{torch.__version__}"
+
+    def peak_memory_bytes(self) -> int:
+        return peak_rss_bytes()
+
+    def visible_cores(self) -> str:
+        return format_cpus(os.sched_getaffinity(0))
+
+    def prepare_process(self) -> None:
+        if self.settings.cpu_threads:
+            import torch
+
+            torch.set_num_threads(self.settings.cpu_threads)
+
+    def cache_outcome(self, new_files: int) -> str:
+        return inductor_cache_outcome()

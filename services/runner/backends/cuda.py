@@ -1,0 +1,26 @@
+"""The CUDA backend: inductor on a GPU."""
+
+from __future__ import annotations
+
+from services.runner.backends.base import DeviceBackend, inductor_cache_outcome
+from services.runner.compile_cache import local_cache_dir
+
+
+class CudaBackend(DeviceBackend):
+    name = "cuda"
+    device = "cuda"
+    collective = "nccl"
+    dtype = "bfloat16"
+    compile_backend = "inductor"
+
+    def accelerator_env(self) -> dict[str, str]:
+        inductor = local_cache_dir(self.settings.cache_path, self.name)
+        return {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TMPDIR": str(inductor / "tmp")}
+
+    def compiler(self) -> tuple[str, str]:
+        import torch
+
+        return "inductor", f"inductor-{torch.__version__}"
+
+    def cache_outcome(self, new_files: int) -> str:
+        return inductor_cache_outcome()

@@ -1,0 +1,1 @@
+"""The database: one engine per process, the SQL schema, and migrations."""

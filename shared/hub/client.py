@@ -1,0 +1,162 @@
+"""Talking to the Hub (or to the stand-in that HF_ENDPOINT names) about a model, before any download."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from huggingface_hub import HfApi, hf_hub_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+from shared.hub.sizing import ModelShape, parameters_from_file_sizes, shape_from_config
+
+
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """Connection-level failures of the HTTP client huggingface_hub uses (httpx, or httpx2 since 2.x)."""
+    found = []
+    for name in ("httpx", "httpx2"):
+        try:
+            found.append(importlib.import_module(name).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+TRANSPORT_ERRORS = _transport_errors()
+
+# The Hub's repo-id grammar, narrowed to "org/name": letters, digits, '-', '_', '.', at most 96 each,
+# not starting or ending with '-' or '.', no '--' or '..'.
+_PART = r"(?!.*(?:--|\.\.))[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+MODEL_ID_PATTERN = rf"^{_PART}/{_PART}$"
+_MODEL_ID_RE = re.compile(MODEL_ID_PATTERN)
+# A branch, tag or commit sha: no whitespace, no control characters, no "..".
+REVISION_PATTERN = r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$"
+_REVISION_RE = re.compile(REVISION_PATTERN)
+
+
+def is_model_id(value: str) -> bool:
+    return bool(_MODEL_ID_RE.fullmatch(value)) and not value.endswith(".git")
+
+
+def is_revision(value: str) -> bool:
+    return bool(_REVISION_RE.fullmatch(value))
+
+
+class HubError(Exception):
+    """Base of what the Hub answered that stops a submission."""
+
+
+class ModelNotFound(HubError):
+    pass
+
+
+class RevisionNotFound(HubError):
+    pass
+
+
+class HubUnavailable(HubError):
+    pass
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    model_id: str
+    sha: str
+    gated: bool
+    pipeline_tag: str | None
+    parameters: dict[str, int] = field(default_factory=dict)  # safetensors parameter counts per dtype
+    files: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+
+    @property
+    def needs_remote_code(self) -> bool:
+        """The Hub tags repos whose config maps classes to code in the repo (trust_remote_code)."""
+        return "custom_code" in self.tags
+
+
+EXPAND = ["sha", "siblings", "safetensors", "gated", "pipeline_tag", "library_name", "tags"]
+
+
+def resolve_model(model_id: str, revision: str | None = None, timeout_s: float = 20.0) -> ResolvedModel:
+    """The commit a (model, revision) points at now; raises a HubError subclass with a reason."""
+    try:
+        info = HfApi().model_info(model_id, revision=revision, timeout=timeout_s, expand=EXPAND)  # type: ignore[arg-type]
+    except RevisionNotFoundError as exc:
+        raise RevisionNotFound(f"revision {revision!r} of {model_id} does not exist on the Hub") from exc
+    except GatedRepoError as exc:  # a subclass of RepositoryNotFoundError: test it first
+        raise ModelNotFound(f"{model_id} is gated and the configured token may not read it") from exc
+    except RepositoryNotFoundError as exc:
+        raise ModelNotFound(f"{model_id} does not exist on the Hub, or is private") from exc
+    except OfflineModeIsEnabled as exc:
+        raise HubUnavailable("HF_HUB_OFFLINE is set: the Hub cannot be asked about models") from exc
+    except HfHubHTTPError as exc:
+        raise HubUnavailable(f"the Hub answered {exc.response.status_code if exc.response else '?'}") from exc
+    except (OSError, *TRANSPORT_ERRORS) as exc:  # connection refused, DNS, timeouts
+        raise HubUnavailable(f"the Hub is unreachable: {exc.__class__.__name__}: {exc}") from exc
+    if not info.sha:
+        raise HubUnavailable(f"the Hub gave no commit sha for {model_id}")
+    return ResolvedModel(
+        model_id=info.id or model_id,
+        sha=info.sha,
+        gated=bool(info.gated),
+        pipeline_tag=info.pipeline_tag,
+        parameters=dict(info.safetensors.parameters) if info.safetensors else {},
+        files=tuple(s.rfilename for s in info.siblings or []),
+        tags=tuple(info.tags or []),
+    )
+
+
+@dataclass(frozen=True)
+class Listed:
+    model_id: str
+    view: str  # trending or downloads
+    rank: int  # 1-based
+
+
+def list_top(pipeline_tag: str, view: str, limit: int) -> list[Listed]:
+    """The Hub's top models of a pipeline tag by trending score or downloads, as its model pages rank them."""
+    sort = {"trending": "trending_score", "downloads": "downloads"}[view]
+    try:
+        models = HfApi().list_models(pipeline_tag=pipeline_tag, sort=sort, limit=limit)
+        return [Listed(m.id, view, rank) for rank, m in enumerate(models, start=1)]
+    except (HfHubHTTPError, OSError, *TRANSPORT_ERRORS) as exc:
+        raise HubUnavailable(f"listing {pipeline_tag} by {view}: {exc}") from exc
+
+
+class Unsizable(HubError):
+    pass
+
+
+class Gated(HubError):
+    pass
+
+
+def model_shape(model: ResolvedModel, timeout_s: float = 20.0) -> ModelShape:
+    """Size inputs without downloading weights: safetensors metadata (or weight file sizes) + config.json."""
+    try:
+        config_path = hf_hub_download(model.model_id, "config.json", revision=model.sha, etag_timeout=timeout_s)
+        config = json.loads(Path(config_path).read_text())
+    except GatedRepoError as exc:
+        raise Gated(f"{model.model_id} is gated and the configured token (HF_TOKEN) may not read it") from exc
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise Unsizable(f"{model.model_id} has no readable config.json: {exc}") from exc
+    parameters = sum(model.parameters.values())
+    if not parameters:
+        weights = [f for f in model.files if f.endswith((".bin", ".pt", ".pth", ".safetensors"))]
+        if not weights:
+            raise Unsizable(f"{model.model_id} has neither safetensors metadata nor weight files")
+        infos = HfApi().get_paths_info(model.model_id, weights, revision=model.sha)
+        total = sum(getattr(i, "size", 0) or 0 for i in infos)
+        if not total:
+            raise Unsizable(f"{model.model_id}: the Hub gives no size for {weights}")
+        parameters = parameters_from_file_sizes(total, config.get("torch_dtype") or config.get("dtype"))
+    return shape_from_config(parameters, config)

@@ -1,0 +1,314 @@
+"""Job rules shared by the API and the worker: submission with de-duplication, cancel, the lease, results.
+
+Job state lives here, in SQL; the broker only delivers job ids. Single execution is a SQL invariant:
+a worker runs a job only after an UPDATE that moves it from queued (or a stale running lease) to
+running under its own name, so a second delivery of a running or finished job does nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from shared.contracts import RunReport, RuntimeInfo, default_runtime
+from shared.db.models import Job, Result, Worker, utcnow
+from shared.enums import ACTIVE_STATES, ErrorClass, JobState, Task, Verdict
+from shared.hub.client import ResolvedModel
+from shared.jobs.queues import job_queue
+from shared.settings import Settings
+from shared.testconfig import config_hash
+
+FINISHED_STATES = (JobState.done, JobState.failed, JobState.cancelled)
+# The report fields a result row keeps (the rest, like model_id, live on the job).
+RESULT_FIELDS = {c.key for c in Result.__table__.columns} & set(RunReport.model_fields)
+
+
+class UnknownCompiler(ValueError):
+    pass
+
+
+class NoRuntime(RuntimeError):
+    pass
+
+
+class JobNotFound(LookupError):
+    pass
+
+
+class JobFinished(RuntimeError):
+    pass
+
+
+# --- what is served -------------------------------------------------------------------------------------
+
+
+def live_workers(session: Session, settings: Settings, now: dt.datetime | None = None) -> Sequence[Worker]:
+    since = (now or utcnow()) - dt.timedelta(seconds=settings.worker_stale_s)
+    return session.scalars(sa.select(Worker).where(Worker.heartbeat_at >= since).order_by(Worker.name)).all()
+
+
+def served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
+    """Distinct runtimes of live workers, or the configured default when none is live."""
+    seen: dict[tuple[str, str], RuntimeInfo] = {}
+    for w in live_workers(session, settings):
+        seen.setdefault(
+            (w.compiler_version, w.library_version),
+            RuntimeInfo(
+                backend=w.backend,
+                compiler_name=w.compiler_name,
+                compiler_version=w.compiler_version,
+                library=w.library,
+                library_version=w.library_version,
+                torch_version=w.torch_version,
+            ),
+        )
+    if seen:
+        return list(seen.values())
+    default = default_runtime(settings)
+    return [default] if default else []
+
+
+def plan_runtimes(session: Session, settings: Settings, compilers: list[str] | None) -> list[RuntimeInfo]:
+    served = served_runtimes(session, settings)
+    if not served:
+        raise NoRuntime(
+            "no live worker serves a compiler and no default is configured (SUPPORTMATRIX_DEFAULT_COMPILER)"
+        )
+    if compilers is None:
+        return served
+    planned = []
+    for version in dict.fromkeys(compilers):
+        matches = [r for r in served if r.compiler_version == version]
+        if not matches:
+            raise UnknownCompiler(
+                f"compiler {version!r} is not served; served: {sorted({r.compiler_version for r in served})}"
+            )
+        planned.extend(matches)
+    return planned
+
+
+# --- submission ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Submitted:
+    job: Job
+    created: bool
+    enqueue: bool = False  # created and waiting for a worker (not settled at submission)
+
+
+def _identity(model: ResolvedModel, runtime: RuntimeInfo, task: str, cores: int) -> sa.ColumnElement[bool]:
+    return sa.and_(
+        Job.model_id == model.model_id,
+        Job.sha == model.sha,
+        Job.compiler_version == runtime.compiler_version,
+        Job.library_version == runtime.library_version,
+        Job.task == task,
+        Job.config_hash == config_hash(task),
+        Job.cores == cores,
+    )
+
+
+def _existing(session: Session, identity: sa.ColumnElement[bool], force: bool) -> Job | None:
+    states = ACTIVE_STATES if force else (*ACTIVE_STATES, JobState.done)
+    return session.scalars(
+        sa.select(Job).where(identity, Job.state.in_(states)).order_by(Job.id.desc()).limit(1)
+    ).first()
+
+
+def submit(
+    session: Session,
+    model: ResolvedModel,
+    revision: str | None,
+    runtimes: list[RuntimeInfo],
+    *,
+    force: bool = False,
+    task: str = Task.text_generation.value,
+    cores: int = 1,
+) -> list[Submitted]:
+    """One job per runtime; an identical queued, running or done job is returned instead of a new one.
+
+    ``force`` reruns finished jobs but never doubles a queued or running one. The caller commits, then
+    enqueues the created jobs: a message must never reach a worker before its row does.
+    """
+    out: list[Submitted] = []
+    for runtime in runtimes:
+        identity = _identity(model, runtime, task, cores)
+        existing = _existing(session, identity, force)
+        if existing is not None:
+            out.append(Submitted(existing, created=False))
+            continue
+        job = Job(
+            model_id=model.model_id,
+            revision=revision,
+            sha=model.sha,
+            task=task,
+            config_hash=config_hash(task),
+            compiler_name=runtime.compiler_name,
+            compiler_version=runtime.compiler_version,
+            library=runtime.library,
+            library_version=runtime.library_version,
+            backend=runtime.backend,
+            cores=cores,
+            queue=job_queue(runtime.backend, runtime.compiler_version, cores),
+            state=JobState.queued,
+        )
+        try:
+            with session.begin_nested():
+                session.add(job)
+                session.flush()
+        except IntegrityError:
+            # A concurrent submission inserted the same active job first: return that one.
+            raced = _existing(session, identity, force=True)
+            if raced is None:
+                raise
+            out.append(Submitted(raced, created=False))
+            continue
+        out.append(Submitted(job, created=True, enqueue=True))
+    return out
+
+
+def cancel(session: Session, job_id: int) -> Job:
+    """Queued or running → cancelled. The worker that holds a running job sees it and kills its runner."""
+    job = session.get(Job, job_id, with_for_update=True)
+    if job is None:
+        raise JobNotFound(f"job {job_id} does not exist")
+    if job.state == JobState.cancelled:
+        return job
+    if job.state in FINISHED_STATES:
+        raise JobFinished(f"job {job_id} already finished ({job.state.value})")
+    job.state = JobState.cancelled
+    job.finished_at = utcnow()
+    return job
+
+
+def job_report(job: Job, verdict: Verdict, error_class: ErrorClass, message: str, **extra: Any) -> RunReport:
+    """The report of a job that ended without a runner's report: settled, timed out, crashed, lost."""
+    return RunReport(
+        model_id=job.model_id,
+        sha=job.sha,
+        revision=job.revision,
+        task=job.task,
+        backend=job.backend,
+        verdict=verdict,
+        error_class=error_class,
+        error_message=message,
+        cores=job.cores,
+        compiler_name=job.compiler_name,
+        compiler_version=job.compiler_version,
+        library=job.library,
+        library_version=job.library_version,
+        **extra,
+    )
+
+
+# --- the lease -----------------------------------------------------------------------------------------
+
+
+def acquire_lease(session: Session, job_id: int, owner: str, settings: Settings) -> Job | None:
+    """Take the job for ``owner``, or None when it is not ours to run (finished, cancelled, leased).
+
+    A running job whose heartbeat is older than the lease timeout belonged to a worker that died:
+    it may be taken over, up to ``max_attempts`` deliveries, after which it ends ERROR(worker_lost).
+    """
+    now = utcnow()
+    stale = now - dt.timedelta(seconds=settings.lease_timeout_s)
+    takeable = sa.or_(
+        Job.state == JobState.queued,
+        sa.and_(Job.state == JobState.running, Job.heartbeat_at < stale),
+    )
+    exhausted = session.execute(
+        sa.update(Job)
+        .where(Job.id == job_id, takeable, Job.attempts >= settings.max_attempts)
+        .values(lease_owner=owner, heartbeat_at=now)
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    if exhausted:
+        job = session.get(Job, job_id)
+        assert job is not None
+        message = f"delivered {job.attempts} times without finishing; the workers running it were lost"
+        finish(session, job_id, owner, job_report(job, Verdict.ERROR, ErrorClass.worker_lost, message))
+        return None
+    taken = session.execute(
+        sa.update(Job)
+        .where(Job.id == job_id, takeable)
+        .values(
+            state=JobState.running,
+            lease_owner=owner,
+            heartbeat_at=now,
+            started_at=now,
+            attempts=Job.attempts + 1,
+        )
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    if not taken:
+        return None
+    job = session.get(Job, job_id, populate_existing=True)
+    return job
+
+
+def heartbeat(session: Session, job_id: int, owner: str) -> bool:
+    """Extend the lease; False when it is no longer ours (cancelled, or taken over)."""
+    return bool(
+        session.execute(
+            sa.update(Job)
+            .where(Job.id == job_id, Job.lease_owner == owner, Job.state == JobState.running)
+            .values(heartbeat_at=utcnow())
+            .execution_options(synchronize_session=False)
+        ).rowcount
+    )
+
+
+def finish(session: Session, job_id: int, owner: str, report: RunReport) -> bool:
+    """Write the result of a job we hold; False (nothing written) when the lease is no longer ours."""
+    state = JobState.failed if report.verdict == Verdict.ERROR else JobState.done
+    now = utcnow()
+    moved = session.execute(
+        sa.update(Job)
+        .where(Job.id == job_id, Job.lease_owner == owner, Job.state.in_(ACTIVE_STATES))
+        .values(
+            state=state,
+            finished_at=now,
+            heartbeat_at=now,
+            error_class=report.error_class,
+            error_message=report.error_message,
+        )
+        .execution_options(synchronize_session=False)
+    ).rowcount
+    if not moved:
+        return False
+    fields = report.model_dump(include=RESULT_FIELDS)
+    session.add(Result(job_id=job_id, **fields))
+    return True
+
+
+def list_jobs(
+    session: Session,
+    *,
+    state: JobState | None = None,
+    model_id: str | None = None,
+    before_id: int | None = None,
+    limit: int = 100,
+) -> list[Job]:
+    """Newest first; ``before_id`` is the cursor (the last id of the previous page)."""
+    stmt = sa.select(Job).order_by(Job.id.desc()).limit(limit)
+    if state is not None:
+        stmt = stmt.where(Job.state == state)
+    if model_id is not None:
+        stmt = stmt.where(Job.model_id == model_id)
+    if before_id is not None:
+        stmt = stmt.where(Job.id < before_id)
+    return list(session.scalars(stmt))
+
+
+def withdraw(session: Session, job_ids: list[int]) -> None:
+    """Remove the jobs (and any result settled at submission) of a submission that could not be enqueued."""
+    if job_ids:
+        session.execute(sa.delete(Result).where(Result.job_id.in_(job_ids)))
+        session.execute(sa.delete(Job).where(Job.id.in_(job_ids)))

@@ -1,0 +1,179 @@
+"""Sweeps: test what people use — per task, the Hub's trending and most-downloaded models and a pinned
+selection — for every compiler version served, never twice.
+
+A sweep is idempotent: its jobs go through the same submission as the API, so a model whose identical
+job (commit, compiler, library, task, test config, cores) is queued, running or done gets no new job,
+and a new revision, compiler version or library version does. A scheduled sweep belongs to a slot of
+the schedule, unique in SQL, so a schedule that fires twice sweeps once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from shared.db.models import Job, Result, Sweep, SweepEntry, utcnow
+from shared.enums import Task
+from shared.hub.client import ModelNotFound, RevisionNotFound, list_top
+from shared.jobs import rules as jobs
+from shared.jobs.submission import Request, submit_model
+from shared.results.cells import CellStatus, cells
+from shared.settings import Settings
+
+PIPELINES = {
+    Task.text_generation.value: ["text-generation"],
+    Task.feature_extraction.value: ["feature-extraction", "sentence-similarity"],
+}
+VIEWS = ("trending", "downloads")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    model_id: str
+    task: str
+    view: str
+    rank: int
+
+
+def open_sweep(session: Session, settings: Settings, trigger: str, slot: str | None = None) -> Sweep | None:
+    """A new sweep row, or None when this schedule slot was swept already."""
+    sweep = Sweep(trigger=trigger, slot=slot, state="queued", config={})
+    try:
+        with session.begin_nested():
+            session.add(sweep)
+            session.flush()
+    except IntegrityError:
+        return None
+    return sweep
+
+
+def candidates(settings: Settings) -> list[Candidate]:
+    """Per configured task: the pinned selection, then trending and downloads tops, each in rank order."""
+    found = []
+    for rank, entry in enumerate(settings.sweep_selected, start=1):
+        model_id, _, task = entry.partition(":")
+        found.append(Candidate(model_id, task or Task.text_generation.value, "selected", rank))
+    for task in settings.sweep_tasks:
+        for view in VIEWS:
+            listed = [m for tag in PIPELINES[task] for m in list_top(tag, view, settings.sweep_limit)]
+            found += [Candidate(m.model_id, task, view, m.rank) for m in listed]
+    return found
+
+
+def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.Submitted]:
+    """Submit every candidate; returns what to enqueue after the caller commits. HubUnavailable propagates."""
+    sweep.state = "running"
+    sweep.config = {"tasks": settings.sweep_tasks, "limit": settings.sweep_limit, "selected": settings.sweep_selected}
+    to_enqueue: list[jobs.Submitted] = []
+    # A model in several views is submitted once; each view still gets its entry.
+    submitted_before: dict[tuple[str, str], tuple[list[jobs.Submitted], str | None]] = {}
+    for c in candidates(settings):
+        key = (c.model_id, c.task)
+        if key not in submitted_before:
+            try:
+                submitted = submit_model(session, settings, Request(c.model_id, task=Task(c.task)))
+                submitted_before[key] = (submitted, None)
+            except (ModelNotFound, RevisionNotFound, ValueError, jobs.NoRuntime) as exc:  # ValueError: task, compiler
+                submitted_before[key] = ([], str(exc))
+            to_enqueue += [s for s in submitted_before[key][0] if s.enqueue]
+        add_entries(session, sweep, c, *submitted_before[key])
+    to_enqueue += rerun_flipped_cells(session, settings, sweep)
+    sweep.state = "done"
+    sweep.finished_at = utcnow()
+    return to_enqueue
+
+
+def add_entries(
+    session: Session, sweep: Sweep, candidate: Candidate, submitted: list[jobs.Submitted], note: str | None
+) -> None:
+    """One entry per job the candidate got, or one entry with the note saying why it got none."""
+    for s in submitted or [None]:
+        session.add(
+            SweepEntry(
+                sweep_id=sweep.id,
+                model_id=candidate.model_id,
+                task=candidate.task,
+                view=candidate.view,
+                rank=candidate.rank,
+                job_id=s.job.id if s else None,
+                created=bool(s and s.created),
+                note=note,
+            )
+        )
+
+
+def rerun_flipped_cells(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.Submitted]:
+    """One more run of each FLAKY cell of a served compiler whose runs flipped sweep_rerun_flips times."""
+    if not settings.sweep_rerun_flips:
+        return []
+    served = {r.compiler_version for r in jobs.served_runtimes(session, settings)}
+    queued = []
+    for cell in cells(session):
+        if cell.status != CellStatus.FLAKY or cell.flips < settings.sweep_rerun_flips:
+            continue
+        if cell.compiler_version not in served:
+            continue
+        request = Request(cell.model_id, task=Task(cell.task), compilers=[cell.compiler_version], force=True)
+        candidate = Candidate(cell.model_id, cell.task, "rerun", 0)
+        try:
+            submitted = submit_model(session, settings, request)
+        except (ModelNotFound, RevisionNotFound) as exc:
+            add_entries(session, sweep, candidate, [], str(exc))
+            continue
+        add_entries(session, sweep, candidate, submitted, f"{cell.flips} flips")
+        queued += [s for s in submitted if s.enqueue]
+    return queued
+
+
+def view_job_ids(session: Session, view: str, task: str | None = None) -> list[int]:
+    """The jobs of the newest finished sweep's view (trending, downloads, selected), in rank order."""
+    latest = session.scalar(sa.select(Sweep.id).where(Sweep.state == "done").order_by(Sweep.id.desc()).limit(1))
+    if latest is None:
+        return []
+    stmt = (
+        sa.select(SweepEntry.job_id)
+        .where(SweepEntry.sweep_id == latest, SweepEntry.view == view, SweepEntry.job_id.is_not(None))
+        .order_by(SweepEntry.rank, SweepEntry.id)
+    )
+    if task is not None:
+        stmt = stmt.where(SweepEntry.task == task)
+    return list(dict.fromkeys(session.scalars(stmt)))
+
+
+def progress(session: Session, sweep: Sweep) -> dict[str, object]:
+    """Entries, and the sweep's distinct jobs by state and by verdict."""
+    job_ids = sa.select(SweepEntry.job_id).where(SweepEntry.sweep_id == sweep.id, SweepEntry.job_id.is_not(None))
+    states = session.execute(
+        sa.select(Job.state, sa.func.count()).where(Job.id.in_(job_ids.distinct())).group_by(Job.state)
+    ).all()
+    verdicts = session.execute(
+        sa.select(Result.verdict, sa.func.count()).where(Result.job_id.in_(job_ids.distinct())).group_by(Result.verdict)
+    ).all()
+    entries = session.scalars(sa.select(SweepEntry).where(SweepEntry.sweep_id == sweep.id).order_by(SweepEntry.id))
+    return {
+        "id": sweep.id,
+        "trigger": sweep.trigger,
+        "slot": sweep.slot,
+        "state": sweep.state,
+        "error": sweep.error,
+        "config": sweep.config,
+        "created_at": sweep.created_at,
+        "finished_at": sweep.finished_at,
+        "jobs": {state.value: n for state, n in states},
+        "verdicts": {verdict.value: n for verdict, n in verdicts},
+        "entries": [
+            {
+                "model_id": e.model_id,
+                "task": e.task,
+                "view": e.view,
+                "rank": e.rank,
+                "job_id": e.job_id,
+                "created": e.created,
+                "note": e.note,
+            }
+            for e in entries
+        ],
+    }

@@ -1,0 +1,109 @@
+"""Cells of the support matrix and how they change between versions.
+
+A cell is one model and task under one compiler version and one library version. Its status comes from
+all finished runs of the model's newest tested commit in that cell: the runs' common verdict, or FLAKY
+when repeated runs disagree (a PASS and a FAIL of the same code is not a PASS). Runs settled at
+submission (SKIPPED) count like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from itertools import pairwise
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from shared.db.models import Job, Result
+
+
+class CellStatus(StrEnum):
+    PASS = "PASS"
+    FAIL = "FAIL"
+    ERROR = "ERROR"
+    SKIPPED = "SKIPPED"
+    FLAKY = "FLAKY"
+
+
+GOOD = {CellStatus.PASS}
+BAD = {CellStatus.FAIL, CellStatus.ERROR}
+
+
+def cell_status(verdicts: Iterable[str]) -> CellStatus:
+    seen = set(verdicts)
+    if not seen:
+        raise ValueError("a cell needs at least one run")
+    return CellStatus(seen.pop()) if len(seen) == 1 else CellStatus.FLAKY
+
+
+def flips(verdicts: Sequence[str]) -> int:
+    """How many times consecutive runs (oldest first) changed verdict: the sweep's rerun criterion."""
+    return sum(1 for a, b in pairwise(verdicts) if a != b)
+
+
+@dataclass(frozen=True)
+class Cell:
+    model_id: str
+    task: str
+    compiler_version: str
+    library_version: str
+    sha: str
+    status: CellStatus
+    runs: int
+    flips: int
+
+
+def cells(session: Session, *, compiler: str | None = None, library_version: str | None = None) -> list[Cell]:
+    stmt = (
+        sa.select(Job.model_id, Job.task, Job.compiler_version, Job.library_version, Job.sha, Result.verdict)
+        .join(Result, Result.job_id == Job.id)
+        .order_by(Job.id)
+    )
+    if compiler is not None:
+        stmt = stmt.where(Job.compiler_version == compiler)
+    if library_version is not None:
+        stmt = stmt.where(Job.library_version == library_version)
+    runs: dict[tuple[str, str, str, str], tuple[str, list[str]]] = {}
+    for model_id, task, comp, lib, sha, verdict in session.execute(stmt):
+        key = (model_id, task, comp, lib)
+        current = runs.get(key)
+        if current is None or current[0] != sha:  # a newer commit starts the cell afresh
+            runs[key] = (sha, [verdict.value])
+        else:
+            current[1].append(verdict.value)
+    return [
+        Cell(*key, sha=sha, status=cell_status(verdicts), runs=len(verdicts), flips=flips(verdicts))
+        for key, (sha, verdicts) in sorted(runs.items())
+    ]
+
+
+def diff(before: list[Cell], after: list[Cell], axis: str) -> dict[str, list[dict[str, Any]]]:
+    """Models that regressed or were fixed between two compiler (or library) versions, and flaky ones.
+
+    Cells are matched on everything but the axis that changes.
+    """
+
+    def key(c: Cell) -> tuple[str, ...]:
+        other = c.library_version if axis == "compiler" else c.compiler_version
+        return (c.model_id, c.task, other)
+
+    old = {key(c): c for c in before}
+    out: dict[str, list[dict[str, Any]]] = {"regressed": [], "fixed": [], "flaky": [], "changed": []}
+    for cell in after:
+        was = old.get(key(cell))
+        if was is None:
+            continue
+        entry = {"model_id": cell.model_id, "task": cell.task, "from": was.status.value, "to": cell.status.value,
+                 "from_sha": was.sha, "to_sha": cell.sha}  # fmt: skip
+        if CellStatus.FLAKY in (was.status, cell.status):
+            out["flaky"].append(entry)
+        elif was.status in GOOD and cell.status in BAD:
+            out["regressed"].append(entry)
+        elif was.status in BAD and cell.status in GOOD:
+            out["fixed"].append(entry)
+        elif was.status != cell.status:
+            out["changed"].append(entry)
+    return out
