@@ -7,13 +7,31 @@ from enum import StrEnum
 
 class JobState(StrEnum):
     queued = "queued"
-    running = "running"
+    running = "running"  # the accelerator stage holds its core group
+    judging = "judging"  # the cores are free; the verdict stage runs on the host's CPUs
     done = "done"  # finished with a verdict about the model: PASS, FAIL or SKIPPED
     failed = "failed"  # finished with ERROR: the model could not be tested to the end
     cancelled = "cancelled"
 
 
-ACTIVE_STATES = (JobState.queued, JobState.running)
+ACTIVE_STATES = (JobState.queued, JobState.running, JobState.judging)
+FINISHED_STATES = (JobState.done, JobState.failed, JobState.cancelled)
+
+
+class SweepState(StrEnum):
+    queued = "queued"
+    running = "running"
+    done = "done"
+    failed = "failed"
+
+
+class Stage(StrEnum):
+    """What one runner invocation does: the whole test, or one of a job's two stages."""
+
+    full = "full"  # accelerator run then verdict, in one go (a person's reproduce command)
+    accelerator = "accelerator"  # on the pinned core group: download, load, compile, generate, save artifacts
+    verdict = "verdict"  # on the host's CPUs: the reference (stored or computed), scoring, the evidence
+    judge = "judge"  # the fluency judge of a sharded run, in a process that never loads the tested checkpoint
 
 
 class Verdict(StrEnum):

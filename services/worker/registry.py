@@ -47,19 +47,13 @@ def start(name: str) -> None:
     if _identity is None:
         return
     identity = _identity
-    rt = identity.runtime
     with session_scope() as session:
         session.merge(
             Worker(
                 name=name,
                 host=socket.gethostname(),
                 pid=os.getpid(),
-                backend=rt.backend,
-                compiler_name=rt.compiler_name,
-                compiler_version=rt.compiler_version,
-                library=rt.library,
-                library_version=rt.library_version,
-                torch_version=rt.torch_version,
+                **identity.runtime.model_dump(),
                 cores=str(identity.group),
                 core_count=identity.group.size,
                 queue=identity.queue,

@@ -9,7 +9,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from shared.enums import ACTIVE_STATES, ErrorClass, JobState, Verdict
+from shared.contracts import LIBRARY, RuntimeInfo
+from shared.enums import ACTIVE_STATES, ErrorClass, JobState, SweepState, Verdict
 
 
 def utcnow() -> dt.datetime:
@@ -35,11 +36,11 @@ class UTCDateTime(sa.TypeDecorator[dt.datetime]):
         return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
 
 
-def enum_column(enum: type[StrEnum]) -> sa.Enum:
+def enum_column(enum: type[StrEnum], length: int | None = None) -> sa.Enum:
     return sa.Enum(
         enum,
         native_enum=False,
-        length=max(len(m.value) for m in enum) + 4,
+        length=length or max(len(m.value) for m in enum) + 4,
         values_callable=lambda e: [m.value for m in e],
         validate_strings=True,
         name=enum.__name__.lower(),
@@ -50,7 +51,26 @@ class Base(DeclarativeBase):
     type_annotation_map: dict[Any, Any] = {dt.datetime: UTCDateTime()}
 
 
-class Job(Base):
+class LibraryIdentity:
+    """The library and torch a row ran with (a stored reference depends on these, not on the compiler)."""
+
+    library: Mapped[str] = mapped_column(sa.String(64), default=LIBRARY, server_default=LIBRARY)
+    library_version: Mapped[str] = mapped_column(sa.String(64))
+    torch_version: Mapped[str] = mapped_column(sa.String(64), server_default="")
+
+
+class RuntimeIdentity(LibraryIdentity):
+    """The six fields that say what runs a job: one home for jobs and workers, equal to ``RuntimeInfo``."""
+
+    backend: Mapped[str] = mapped_column(sa.String(16))
+    compiler_name: Mapped[str] = mapped_column(sa.String(32))
+    compiler_version: Mapped[str] = mapped_column(sa.String(100))
+
+    def runtime(self) -> RuntimeInfo:
+        return RuntimeInfo.model_validate(self, from_attributes=True)
+
+
+class Job(RuntimeIdentity, Base):
     __tablename__ = "jobs"
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -59,15 +79,15 @@ class Job(Base):
     sha: Mapped[str] = mapped_column(sa.String(40))  # as resolved on the Hub
     task: Mapped[str] = mapped_column(sa.String(64))
     config_hash: Mapped[str] = mapped_column(sa.String(16), server_default="")  # shared.testconfig: what it runs
-    compiler_name: Mapped[str] = mapped_column(sa.String(32))
-    compiler_version: Mapped[str] = mapped_column(sa.String(100), index=True)
-    library: Mapped[str] = mapped_column(sa.String(64))
-    library_version: Mapped[str] = mapped_column(sa.String(64))
-    backend: Mapped[str] = mapped_column(sa.String(16))
+    gated: Mapped[bool] = mapped_column(default=False, server_default=sa.false())  # the runner gets HF_TOKEN
     cores: Mapped[int] = mapped_column(default=1)
     queue: Mapped[str] = mapped_column(sa.String(200))
     state: Mapped[JobState] = mapped_column(enum_column(JobState), default=JobState.queued, index=True)
-    attempts: Mapped[int] = mapped_column(default=0)
+    attempts: Mapped[int] = mapped_column(default=0)  # deliveries of the accelerator stage
+    # The verdict stage runs on the host that holds the accelerator stage's artifacts: that host's queue.
+    verdict_queue: Mapped[str | None] = mapped_column(sa.String(200))
+    verdict_attempts: Mapped[int] = mapped_column(default=0, server_default="0")
+    judging_at: Mapped[dt.datetime | None]  # the accelerator stage ended and the cores were released
     lease_owner: Mapped[str | None] = mapped_column(sa.String(200))
     heartbeat_at: Mapped[dt.datetime | None]
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
@@ -79,6 +99,7 @@ class Job(Base):
     result: Mapped[Result | None] = relationship(back_populates="job", uselist=False)
 
     __table_args__ = (
+        sa.Index("ix_jobs_compiler_version", "compiler_version"),
         # At most one queued or running job per identity: concurrent duplicate submissions
         # cannot both insert. Finished jobs stay out of it so `force` can rerun them.
         sa.Index(
@@ -143,18 +164,12 @@ class Result(Base):
     job: Mapped[Job] = relationship(back_populates="result")
 
 
-class Worker(Base):
+class Worker(RuntimeIdentity, Base):
     __tablename__ = "workers"
 
     name: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
     host: Mapped[str] = mapped_column(sa.String(200))
     pid: Mapped[int]
-    backend: Mapped[str] = mapped_column(sa.String(16))
-    compiler_name: Mapped[str] = mapped_column(sa.String(32))
-    compiler_version: Mapped[str] = mapped_column(sa.String(100))
-    library: Mapped[str] = mapped_column(sa.String(64))
-    library_version: Mapped[str] = mapped_column(sa.String(64))
-    torch_version: Mapped[str] = mapped_column(sa.String(64))
     cores: Mapped[str] = mapped_column(sa.String(32))  # the core range it owns, e.g. "0-3"
     core_count: Mapped[int]
     queue: Mapped[str] = mapped_column(sa.String(200))
@@ -171,7 +186,7 @@ class Sweep(Base):
     # The schedule slot a scheduled sweep belongs to: unique, so a schedule that fires twice adds nothing.
     slot: Mapped[str | None] = mapped_column(sa.String(64), unique=True)
     trigger: Mapped[str] = mapped_column(sa.String(16))  # "schedule" or "api"
-    state: Mapped[str] = mapped_column(sa.String(16), default="queued")  # queued, running, done, failed
+    state: Mapped[SweepState] = mapped_column(enum_column(SweepState, length=16), default=SweepState.queued)
     config: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
     error: Mapped[str | None] = mapped_column(sa.Text)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
@@ -198,7 +213,7 @@ class SweepEntry(Base):
     sweep: Mapped[Sweep] = relationship(back_populates="entries")
 
 
-class ReferenceRun(Base):
+class ReferenceRun(LibraryIdentity, Base):
     """A CPU reference run, kept so that every compiler version and rerun of the same model reuses it.
 
     Keyed by what determines its output: the model's commit, the task and its test config, the dtype,
@@ -213,8 +228,6 @@ class ReferenceRun(Base):
     task: Mapped[str] = mapped_column(sa.String(64))
     config_hash: Mapped[str] = mapped_column(sa.String(16))
     dtype: Mapped[str] = mapped_column(sa.String(16))
-    library_version: Mapped[str] = mapped_column(sa.String(64))
-    torch_version: Mapped[str] = mapped_column(sa.String(64))
     data: Mapped[dict[str, Any]] = mapped_column(sa.JSON)  # tokens, text, log-likelihood, embeddings, timings
     blob: Mapped[bytes | None] = mapped_column(sa.LargeBinary)  # the prefill logits (float32 .npy)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

@@ -57,17 +57,7 @@ def served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
     """Distinct runtimes of live workers, or the configured default when none is live."""
     seen: dict[tuple[str, str], RuntimeInfo] = {}
     for w in live_workers(session, settings):
-        seen.setdefault(
-            (w.compiler_version, w.library_version),
-            RuntimeInfo(
-                backend=w.backend,
-                compiler_name=w.compiler_name,
-                compiler_version=w.compiler_version,
-                library=w.library,
-                library_version=w.library_version,
-                torch_version=w.torch_version,
-            ),
-        )
+        seen.setdefault((w.compiler_version, w.library_version), w.runtime())
     if seen:
         return list(seen.values())
     default = default_runtime(settings)
@@ -150,11 +140,7 @@ def submit(
             sha=model.sha,
             task=task,
             config_hash=config_hash(task),
-            compiler_name=runtime.compiler_name,
-            compiler_version=runtime.compiler_version,
-            library=runtime.library,
-            library_version=runtime.library_version,
-            backend=runtime.backend,
+            **runtime.model_dump(),
             cores=cores,
             queue=job_queue(runtime.backend, runtime.compiler_version, cores),
             state=JobState.queued,
@@ -195,15 +181,11 @@ def job_report(job: Job, verdict: Verdict, error_class: ErrorClass, message: str
         sha=job.sha,
         revision=job.revision,
         task=job.task,
-        backend=job.backend,
+        **job.runtime().model_dump(exclude={"torch_version"} if not job.torch_version else set()),
         verdict=verdict,
         error_class=error_class,
         error_message=message,
         cores=job.cores,
-        compiler_name=job.compiler_name,
-        compiler_version=job.compiler_version,
-        library=job.library,
-        library_version=job.library_version,
         **extra,
     )
 
