@@ -59,3 +59,7 @@ def revoke_job(producer: Celery, job_id: int) -> None:
 
 def request_export(producer: Celery) -> None:
     producer.send_task(EXPORT_TASK, queue=CONTROL_QUEUE)
+
+
+def request_sweep(producer: Celery, sweep_id: int) -> None:
+    producer.send_task(SWEEP_TASK, args=[sweep_id], queue=CONTROL_QUEUE)
