@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -73,6 +75,12 @@ class Settings(BaseSettings):
     publish_repo: str | None = None
     publish_token: str | None = None
 
+    # This host's name: its verdict queue (a job's verdict stage runs where its artifacts are) and lease owners.
+    host_name: str = Field(default_factory=socket.gethostname)
+    verdict_workers: int = Field(1, ge=0, le=64, description="CPU workers of the verdict stage per host")
+    # A job's artifacts are removed when its row is written, but kept this long after a FAIL, for inspection.
+    artifact_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
+
     api_max_body_bytes: int = Field(65536, gt=0)
     page_limit_max: int = Field(1000, gt=0)
 
@@ -101,9 +109,51 @@ def get_settings() -> Settings:
     return Settings()
 
 
-def child_environment(overrides: dict[str, str]) -> dict[str, str]:
-    """The environment for a child process: ours, with ``overrides`` applied.
+# The settings a runner child may see: what shapes or places its run. Never the database or broker URLs, the
+# publish token or the judge's token: a child loads checkpoints that nobody here wrote.
+RUNNER_SETTINGS = frozenset(
+    {
+        "data_dir", "backend", "cache_dir", "cpu_compile_backend", "job_timeout_s", "core_memory_gib",
+        "moe_parallelism", "judge_kind", "judge_model", "judge_url", "judge_loglik_slack", "cpu_fault",
+        "cpu_threads", "compile_cache_remote", "compile_cache_push", "compile_cache_token", "hub_retry_delays_s",
+    }
+)  # fmt: skip
+# What a process needs from the host's environment: the interpreter and locale, huggingface_hub's settings
+# (its token is passed on only where a gated model needs it), and the accelerator runtimes' own variables.
+INHERITED_NAMES = frozenset(
+    {"PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV"}
+    | {"HF_HOME", "HF_ENDPOINT", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"}
+)
+INHERITED_PREFIXES = ("HF_HUB_", "NEURON_", "TORCH", "CUDA_", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "FI_", "XLA_")
 
-    Children (runner, ranks) inherit HF_* and SUPPORTMATRIX_* as they are, so they read the same settings.
-    """
+
+def _env_value(value: object) -> str:
+    if isinstance(value, list):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def child_environment(
+    settings: Settings, overrides: dict[str, str], secrets: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The allow-listed environment of a runner: the host's basics, the runner settings, ``overrides``,
+    and only the ``secrets`` this child is meant to hold (a gated model's HF_TOKEN, the judge's token)."""
+    env = {k: v for k, v in os.environ.items() if k in INHERITED_NAMES or k.startswith(INHERITED_PREFIXES)}
+    for name in RUNNER_SETTINGS:
+        value = getattr(settings, name)
+        if value is not None:
+            env[f"SUPPORTMATRIX_{name.upper()}"] = _env_value(value)
+    return env | overrides | (secrets or {})
+
+
+def inherited_environment(overrides: dict[str, str]) -> dict[str, str]:
+    """A runner's own children (ranks, the reference) get the runner's environment — already allow-listed
+    by the worker — with ``overrides`` applied."""
     return {**os.environ, **overrides}
+
+
+def hub_token() -> str | None:
+    """huggingface_hub's token, for the one child that needs it (a gated model's runner)."""
+    return os.environ.get("HF_TOKEN")

@@ -156,18 +156,34 @@ def api(hub: Any) -> Iterator[Any]:
 
 
 class WorkerProcess:
-    def __init__(self, name: str, env: dict[str, str], cores: str = "0") -> None:
+    """A real worker: of the accelerator stage on a core group, or (``cores=None``) of the verdict stage."""
+
+    def __init__(self, name: str, env: dict[str, str], cores: str | None = "0") -> None:
         self.name = name
         self.log = RUN_DIR / f"{name}.log"
+        role = ["--cores", cores] if cores is not None else ["--verdict"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.worker", "--name", name, "--cores", cores, "--loglevel", "INFO"],
+            [sys.executable, "-m", "services.worker", "--name", name, *role, "--loglevel", "INFO"],
             cwd=ROOT,
             env={**os.environ, **env},
             stdout=self.log.open("wb"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.wait_registered()
+        if cores is None:
+            self.wait_ready()
+        else:
+            self.wait_registered()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited:\n{self.log.read_text()[-3000:]}")
+            if " ready." in self.log.read_text(errors="replace"):
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"worker {self.name} did not become ready:\n{self.log.read_text()[-3000:]}")
 
     def wait_registered(self, timeout: float = 120) -> None:
         import sqlalchemy as sa
@@ -209,7 +225,15 @@ class WorkerProcess:
 
 
 @pytest.fixture(scope="session")
-def worker(hub: Any) -> Iterator[WorkerProcess]:
+def verdict_worker(hub: Any) -> Iterator[WorkerProcess]:
+    """This host's verdict-stage worker: every job's verdict stage runs here, after its cores are free."""
+    proc = WorkerProcess("v-main", {}, cores=None)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def worker(hub: Any, verdict_worker: WorkerProcess) -> Iterator[WorkerProcess]:
     proc = WorkerProcess("w-main", {})
     yield proc
     proc.stop()
@@ -220,7 +244,7 @@ def start_worker(hub: Any) -> Iterator[Any]:
     """Start extra workers for one test; they are stopped (and deregistered) when it ends."""
     started: list[WorkerProcess] = []
 
-    def start(name: str, cores: str = "0", **env: str) -> WorkerProcess:
+    def start(name: str, cores: str | None = "0", **env: str) -> WorkerProcess:
         proc = WorkerProcess(name, env, cores)
         started.append(proc)
         return proc

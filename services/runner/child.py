@@ -1,22 +1,23 @@
 """One runner child process: `python -m services.runner.child SPEC.json`.
 
-Runs one role (the CPU reference, the accelerator run, or describe) and writes its outcome as JSON to the
-path the spec names: data on success, or an error class, message and traceback. A crash leaves no file,
-which the launcher reports with the exit signal.
+Runs one role (the accelerator run or one of its ranks, the CPU reference, or describe) and writes its
+``ChildOutcome`` to the path the spec names. A crash leaves no file, which the launcher reports with the
+exit signal.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+
+from pydantic import BaseModel
 
 from services.runner.backends import Backend, get_backend
 from services.runner.compile_cache import local_cache_dir, namespace, remote_for
 from services.runner.failures import RunFailure
+from services.runner.specs import AcceleratorSpec, AnySpec, ChildOutcome, DescribeSpec, SpecFile
 from services.runner.tasks import get_task
 from shared.enums import ErrorClass
 from shared.settings import get_settings
@@ -48,46 +49,43 @@ class SharedCompileCache:
             self.remote.push(self.local)
 
 
-def execute(spec: dict[str, Any]) -> dict[str, Any]:
-    backend = get_backend(spec["backend"], get_settings())
+def run_role(spec: AnySpec) -> BaseModel:
+    backend = get_backend(spec.backend, get_settings())
+    if isinstance(spec, DescribeSpec):
+        return backend.describe()
+    task = get_task(spec.task)
+    if isinstance(spec, AcceleratorSpec):
+        backend.prepare_process()
+        runtime = backend.describe()  # the versions that really run
+        cache = SharedCompileCache(backend, runtime.compiler_name, runtime.compiler_version, spec.rank)
+        data = task.accelerator(spec, backend)
+        data.compile_cache = backend.cache_outcome(cache.new_entries())
+        cache.push()
+        data.runtime = runtime
+        return data
+    return task.reference(spec, backend)
+
+
+def execute(spec: AnySpec) -> ChildOutcome:
     try:
-        if spec["role"] == "describe":
-            return {"ok": True, "data": backend.describe().model_dump()}
-        task = get_task(spec["task"])
-        if spec["role"] == "accelerator":
-            backend.prepare_process()
-            runtime = backend.describe()  # the versions that really run
-            cache = SharedCompileCache(backend, runtime.compiler_name, runtime.compiler_version, spec["rank"])
-            data = task.accelerator(spec, backend)
-            data["compile_cache"] = backend.cache_outcome(cache.new_entries())
-            cache.push()
-            data["runtime"] = runtime.model_dump()
-        else:
-            data = task.reference(spec, backend)
-        return {"ok": True, "data": data}
+        return ChildOutcome(ok=True, data=run_role(spec).model_dump(mode="json"))
     except RunFailure as failure:
-        return {
-            "ok": False,
-            "error_class": failure.error_class.value,
-            "message": failure.message,
-            "traceback": failure.trace,
-        }
+        return ChildOutcome(ok=False, error_class=failure.error_class, message=failure.message, traceback=failure.trace)
     except Exception as exc:
-        return {
-            "ok": False,
-            "error_class": ErrorClass.internal.value,
-            "message": f"{type(exc).__name__}: {exc}"[:4000],
-            "traceback": traceback.format_exc(),
-        }
+        return ChildOutcome(
+            ok=False,
+            error_class=ErrorClass.internal,
+            message=f"{type(exc).__name__}: {exc}"[:4000],
+            traceback=traceback.format_exc(),
+        )
 
 
 def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[1]).read_text())
+    spec = SpecFile.model_validate_json(Path(argv[1]).read_text()).spec
     outcome = execute(spec)
-    out = Path(spec["out"])
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(outcome))
-    os.replace(tmp, out)
+    tmp = spec.out.with_suffix(".tmp")
+    tmp.write_text(outcome.model_dump_json())
+    os.replace(tmp, spec.out)
     return 0
 
 

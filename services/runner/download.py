@@ -41,11 +41,16 @@ class Checkpoint:
         return digest.hexdigest()
 
 
-def download(model: str, revision: str | None, retry_delays_s: list[float]) -> Checkpoint:
-    """The checkpoint on local disk; an unreachable Hub is retried after each of ``retry_delays_s``."""
-    local = Path(model)
-    if local.is_dir():
-        return Checkpoint(path=local.resolve(), sha=None)
+def download(model: str, revision: str | None, local_dir: Path | None, retry_delays_s: list[float]) -> Checkpoint:
+    """The checkpoint on local disk; an unreachable Hub is retried after each of ``retry_delays_s``.
+
+    ``model`` is always a Hub id — a directory of the same name in the working directory is not looked at;
+    only an explicit ``local_dir`` runs a checkpoint directory (never a job's way in).
+    """
+    if local_dir is not None:
+        if not local_dir.is_dir():
+            raise RunFailure(ErrorClass.not_found, f"--local-dir {local_dir} is not a directory")
+        return Checkpoint(path=local_dir.resolve(), sha=None)
     for delay in (*retry_delays_s, None):
         try:
             return _download(model, revision)

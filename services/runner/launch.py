@@ -8,38 +8,44 @@ killed with it.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
+
+from pydantic import BaseModel
 
 from services.runner.failures import RunFailure
+from services.runner.specs import ChildOutcome, ChildSpec, SpecFile
 from shared.enums import ErrorClass
 from shared.processes import describe_exit, die_with_parent, free_port, output_tail
-from shared.settings import child_environment
 
 POLL_S = 0.2
+Result = TypeVar("Result", bound=BaseModel)
 
 
-def run_child(spec: dict[str, Any], env: dict[str, str], timeout_s: float, workdir: Path) -> dict[str, Any]:
-    """Run one role in one child process and return its data."""
-    return run_ranks(spec, 1, env, timeout_s, workdir)[0]
+def run_child(spec: ChildSpec, result: type[Result], env: dict[str, str], timeout_s: float, workdir: Path) -> Result:
+    """Run one role in one child process and return its result."""
+    return run_ranks(spec, result, env, timeout_s, workdir)[0]
 
 
 def run_ranks(
-    spec: dict[str, Any], world_size: int, env: dict[str, str], timeout_s: float, workdir: Path
-) -> list[dict[str, Any]]:
-    """Run one role as ``world_size`` ranks and return each rank's data, rank 0 first."""
-    role = spec["role"]
+    spec: ChildSpec, result: type[Result], env: dict[str, str], timeout_s: float, workdir: Path
+) -> list[Result]:
+    """Run one role as ``spec.world_size`` ranks and return each rank's result, rank 0 first.
+
+    ``env`` is the whole environment of the children (the runner's own, already allow-listed, plus the
+    backend's variables); ranks add their torch.distributed variables to it.
+    """
+    role, world_size = spec.role, spec.world_size
     port = str(free_port())
     ranks = []
     for rank in range(world_size):
         name = role if world_size == 1 else f"{role}.rank{rank}"
-        rank_spec = {**spec, "rank": rank, "world_size": world_size, "out": str(workdir / f"{name}.out.json")}
+        rank_spec = spec.model_copy(update={"rank": rank, "out": workdir / f"{name}.out.json"})
         spec_path = workdir / f"{name}.spec.json"
-        spec_path.write_text(json.dumps(rank_spec))
+        spec_path.write_text(SpecFile(spec=rank_spec).model_dump_json())  # type: ignore[arg-type]
         rank_env = dict(env)
         if world_size > 1:
             rank_env |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -48,7 +54,7 @@ def run_ranks(
         with log_path.open("wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "services.runner.child", str(spec_path)],
-                env=child_environment(rank_env),
+                env=rank_env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -56,7 +62,7 @@ def run_ranks(
                 # takes every child with it; and a child dies with its runner even when only that is killed.
                 preexec_fn=die_with_parent,
             )
-        ranks.append((name, proc, Path(rank_spec["out"]), log_path))
+        ranks.append((name, proc, rank_spec.out, log_path))
     try:
         _wait_all(ranks, timeout_s, role)
     finally:
@@ -64,7 +70,7 @@ def run_ranks(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return [_outcome(name, proc, out, log) for name, proc, out, log in ranks]
+    return [result.model_validate(_outcome(name, proc, out, log).data) for name, proc, out, log in ranks]
 
 
 def _wait_all(ranks: list[tuple[str, subprocess.Popen[bytes], Path, Path]], timeout_s: float, role: str) -> None:
@@ -76,7 +82,7 @@ def _wait_all(ranks: list[tuple[str, subprocess.Popen[bytes], Path, Path]], time
             code = proc.poll()
             if code is None:
                 running = True
-            elif code != 0 or not out.exists() or not json.loads(out.read_text())["ok"]:
+            elif code != 0 or not out.exists() or not ChildOutcome.model_validate_json(out.read_text()).ok:
                 _outcome(name, proc, out, log)  # raises with this rank's reason
         if not running:
             return
@@ -86,11 +92,12 @@ def _wait_all(ranks: list[tuple[str, subprocess.Popen[bytes], Path, Path]], time
         time.sleep(POLL_S)
 
 
-def _outcome(name: str, proc: subprocess.Popen[bytes], out: Path, log_path: Path) -> dict[str, Any]:
+def _outcome(name: str, proc: subprocess.Popen[bytes], out: Path, log_path: Path) -> ChildOutcome:
     if not out.exists():
         tail = output_tail(log_path)
         raise RunFailure(ErrorClass.crash, f"{name} process {describe_exit(proc.wait())}; output:\n{tail}")
-    outcome = json.loads(out.read_text())
-    if not outcome["ok"]:
-        raise RunFailure(ErrorClass(outcome["error_class"]), f"{name}: {outcome['message']}", outcome["traceback"])
-    return outcome["data"]
+    outcome = ChildOutcome.model_validate_json(out.read_text())
+    if not outcome.ok:
+        assert outcome.error_class is not None
+        raise RunFailure(outcome.error_class, f"{name}: {outcome.message}", outcome.traceback)
+    return outcome

@@ -1,8 +1,10 @@
-"""`python -m services.worker`: start a job worker for this machine's backend.
+"""`python -m services.worker`: start a worker of either stage for this machine's backend.
 
-It asks a runner child which compiler and library versions this machine serves (the worker itself never
-imports torch), consumes the queue for that compiler version and its core-group size, registers in the
-`workers` table, and runs one job at a time.
+With `--cores A-B` (the default is core 0) it runs accelerator stages on that core group: it asks a runner
+child which compiler and library versions this machine serves (the worker itself never imports torch),
+consumes the queue for that compiler version and core-group size, registers in the `workers` table, and
+runs one job at a time. With `--verdict` it runs verdict stages on the host's CPUs, unpinned, from this
+host's verdict queue.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ from services.worker import registry
 from services.worker.celery_app import app
 from shared.contracts import RuntimeInfo
 from shared.cores import CoreGroup
-from shared.jobs.queues import job_queue
-from shared.settings import child_environment, get_settings
+from shared.jobs.queues import job_queue, verdict_queue
+from shared.settings import Settings, child_environment, get_settings
 
 
-def describe_runtime(backend: str) -> RuntimeInfo:
+def describe_runtime(settings: Settings) -> RuntimeInfo:
     out = subprocess.run(
-        [sys.executable, "-m", "services.runner", "--describe", "--backend", backend],
-        env=child_environment({}),
+        [sys.executable, "-m", "services.runner.describe", "--backend", settings.backend],
+        env=child_environment(settings, {}),
         capture_output=True,
         text=True,
         check=True,
@@ -41,18 +43,21 @@ def main(argv: list[str] | None = None) -> int:
         default=CoreGroup(0, 1),
         help="the aligned core group this worker owns, e.g. 0-3 (default 0); it takes jobs of that size",
     )
+    parser.add_argument("--verdict", action="store_true", help="run verdict stages from this host's verdict queue")
     parser.add_argument("--loglevel", default="INFO")
     args = parser.parse_args(argv)
     settings = get_settings()
-    if args.cores.end >= settings.host_cores:
-        parser.error(f"cores {args.cores} lie outside this host's {settings.host_cores} (SUPPORTMATRIX_HOST_CORES)")
-    runtime = describe_runtime(settings.backend)
-    queue = job_queue(runtime.backend, runtime.compiler_version, cores=args.cores.size)
-    registry.configure(registry.Identity(runtime=runtime, queue=queue, group=args.cores))
-    print(
-        f"serving {runtime.compiler_version} / {runtime.library} {runtime.library_version} on {queue}",
-        flush=True,
-    )
+    if args.verdict:
+        queue = verdict_queue(settings.host_name)
+        name = args.name or "verdict"
+    else:
+        if args.cores.end >= settings.host_cores:
+            parser.error(f"cores {args.cores} lie outside this host's {settings.host_cores} (SUPPORTMATRIX_HOST_CORES)")
+        runtime = describe_runtime(settings)
+        queue = job_queue(runtime.backend, runtime.compiler_version, cores=args.cores.size)
+        registry.configure(registry.Identity(runtime=runtime, queue=queue, group=args.cores))
+        name = args.name or f"cores-{args.cores}"
+    print(f"serving {queue}", flush=True)
     app.worker_main(
         [
             "worker",
@@ -63,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             "--pool",
             "prefork",
             "--hostname",
-            f"{args.name or f'cores-{args.cores}'}@%h",
+            f"{name}@%h",
             "--without-gossip",
             "--without-mingle",
             "--loglevel",

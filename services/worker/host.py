@@ -2,7 +2,9 @@
 
 Every ``--every`` seconds it reads the backlog (queued and running jobs of this backend, per group size),
 asks the planner for a layout, drains the workers whose group left the plan (SIGTERM: Celery's warm
-shutdown lets the running job finish) and starts workers on new groups once their cores are free.
+shutdown lets the running job finish) and starts workers on new groups once their cores are free. Beside
+them it keeps ``SUPPORTMATRIX_VERDICT_WORKERS`` verdict workers on the host's CPUs, unpinned: a job's
+verdict stage runs there after its accelerator stage has given its cores back.
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ from services.worker.planner import overlaps, plan_layout, reconcile
 from shared.cores import CoreGroup
 from shared.db.engine import new_session
 from shared.db.models import Job
-from shared.enums import ACTIVE_STATES
+from shared.enums import JobState
 from shared.settings import Settings, get_settings
+
+
+# The states that need cores: a judging job has given its cores back.
+CORE_STATES = (JobState.queued, JobState.running)
 
 
 def backlog(settings: Settings) -> dict[int, int]:
     with new_session() as session:
         rows = session.execute(
             sa.select(Job.cores, sa.func.count())
-            .where(Job.backend == settings.backend, Job.state.in_(ACTIVE_STATES))
+            .where(Job.backend == settings.backend, Job.state.in_(CORE_STATES))
             .group_by(Job.cores)
         ).all()
     return {int(cores): int(n) for cores, n in rows}
@@ -39,8 +45,14 @@ class HostLauncher:
         self.total_cores = total_cores
         self.workers: dict[CoreGroup, subprocess.Popen[bytes]] = {}
         self.draining: dict[CoreGroup, subprocess.Popen[bytes]] = {}
+        self.verdict_workers: list[subprocess.Popen[bytes]] = []
 
     def step(self) -> None:
+        self.verdict_workers = [p for p in self.verdict_workers if p.poll() is None]
+        for i in range(len(self.verdict_workers), self.settings.verdict_workers):
+            print(f"starting verdict worker {i}", flush=True)
+            command = [sys.executable, "-m", "services.worker", "--verdict", "--name", f"verdict-{i}"]
+            self.verdict_workers.append(subprocess.Popen(command))
         for group, proc in list(self.draining.items()):
             if proc.poll() is not None:
                 del self.draining[group]
@@ -64,7 +76,7 @@ class HostLauncher:
         return subprocess.Popen([sys.executable, "-m", "services.worker", "--cores", str(group)])
 
     def stop(self) -> None:
-        procs = list(self.workers.values()) + list(self.draining.values())
+        procs = list(self.workers.values()) + list(self.draining.values()) + self.verdict_workers
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

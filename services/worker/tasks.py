@@ -1,60 +1,198 @@
-"""Celery tasks: run one job (lease → runner child → result), export results, sweep the Hub."""
+"""Celery tasks: a job's two stages (lease → runner child → result), export results, sweep the Hub.
+
+A job runs as the **accelerator stage** on a pinned core group (``run_job``), which ends by releasing
+the cores and sending the **verdict stage** (``judge_job``) to this host's verdict queue, where CPU workers
+take it: the stored reference (looked up here, handed over as a file), the reference run if needed,
+scoring, the judge, the verdict. Both stages hold the job's SQL lease while they run; a delivery that finds
+the lease held by a live owner is delivered again later, never dropped.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import time
+from pathlib import Path
 from typing import Any
+
+import psutil
 
 from services.worker import registry
 from services.worker.celery_app import app
 from services.worker.collector import export_once
 from services.worker.supervise import supervise
-from shared.db.engine import session_scope
-from shared.db.models import Sweep
-from shared.enums import ErrorClass
+from shared.contracts import AcceleratorOutput, Artifacts, RunReport, RunRequest, VerdictOutput, write_model
+from shared.db.engine import new_session, session_scope
+from shared.db.models import Job, Sweep
+from shared.enums import ErrorClass, Stage, SweepState, Verdict
 from shared.hub.client import HubUnavailable
-from shared.jobs.broker import enqueue_job, request_export
-from shared.jobs.queues import EXPORT_TASK, RUN_JOB_TASK, SWEEP_TASK
-from shared.jobs.rules import acquire_lease, finish, heartbeat
+from shared.jobs.broker import enqueue_verdict, request_export
+from shared.jobs.dispatch import commit_and_enqueue
+from shared.jobs.queues import EXPORT_TASK, JUDGE_JOB_TASK, RUN_JOB_TASK, SWEEP_TASK, verdict_queue
+from shared.jobs.rules import Claim, acquire_lease, finish, heartbeat, job_report, release_for_verdict
 from shared.jobs.sweeps import open_sweep, run_sweep
-from shared.settings import get_settings
+from shared.results import references
+from shared.settings import Settings, get_settings, hub_token
 
 SWEEP_RETRIES = 4  # 2 + 4 + 8 + 16 s of backoff before a sweep gives up on the Hub
 
 
-def lease_owner(hostname: str | None) -> str:
-    return f"{hostname or socket.gethostname()}:{os.getpid()}"
+def lease_owner(hostname: str | None, settings: Settings) -> str:
+    """``<worker name>@<host>:<pid>``: who holds a lease, and enough to tell on this host whether it lives."""
+    name = (hostname or "worker").split("@")[0]
+    return f"{name}@{settings.host_name}:{os.getpid()}"
 
 
-@app.task(name=RUN_JOB_TASK, bind=True)
-def run_job(self: Any, job_id: int) -> str:
-    settings = get_settings()
-    owner = lease_owner(self.request.hostname)
+def dead_local_owner(job: Job | None, settings: Settings) -> str | None:
+    """The job's lease owner when it is a process of this host that no longer exists (a killed pool child):
+    its lease may be taken over at once instead of after the lease timeout."""
+    owner = job.lease_owner if job else None
+    if not owner:
+        return None
+    where, _, pid = owner.rpartition(":")
+    if where.rpartition("@")[2] != settings.host_name or not pid.isdigit():
+        return None
+    return None if psutil.pid_exists(int(pid)) else owner
+
+
+def claim(task: Any, job_id: int, owner: str, settings: Settings, stage: Stage) -> Job | None:
+    """The job, if this delivery takes the stage's lease; None when the message is spent. A lease held
+    by a live owner is retried later (the owner may die: then its lease lapses and a retry takes over)."""
     with session_scope() as session:
-        job = acquire_lease(session, job_id, owner, settings)
-    if job is None:
-        return "not ours: finished, cancelled or leased elsewhere"
+        outcome, job = acquire_lease(session, job_id, owner, settings, stage)
+        if outcome == Claim.held and (dead := dead_local_owner(job, settings)):
+            outcome, job = acquire_lease(session, job_id, owner, settings, stage, dead_owner=dead)
+    if outcome == Claim.held:
+        raise task.retry(countdown=max(2 * settings.heartbeat_interval_s, 1.0), max_retries=None)
+    return job if outcome == Claim.taken else None
 
+
+def artifact_dir(settings: Settings, job_id: int) -> Path:
+    return settings.data_dir / "artifacts" / f"job-{job_id}"
+
+
+def _lease_keeper(job_id: int, owner: str) -> Any:
     def keep_lease() -> bool:
         with session_scope() as session:
             return heartbeat(session, job_id, owner)
 
-    workdir = settings.data_dir / "runs" / f"job-{job_id}-{os.getpid()}"
-    workdir.mkdir(parents=True, exist_ok=True)
-    try:
-        report = supervise(job, settings, workdir, keep_lease, registry.core_group())
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    return keep_lease
+
+
+@app.task(name=RUN_JOB_TASK, bind=True)
+def run_job(self: Any, job_id: int) -> str:
+    """The accelerator stage, on this worker's core group."""
+    settings = get_settings()
+    owner = lease_owner(self.request.hostname, settings)
+    job = claim(self, job_id, owner, settings, Stage.accelerator)
+    if job is None:
+        return "not ours: finished, cancelled or past this stage"
+    group = registry.core_group()
+    artifacts = Artifacts(artifact_dir(settings, job_id))
+    shutil.rmtree(artifacts.root, ignore_errors=True)  # a previous, lost attempt's files
+    artifacts.root.mkdir(parents=True)
+    request = RunRequest(
+        model_id=job.model_id,
+        revision=job.sha,
+        backend=job.backend,
+        task=job.task,
+        cores=job.cores,
+        core_range=str(group),
+        stage=Stage.accelerator,
+        artifacts=artifacts.root,
+        report=artifacts.root / "accelerator-report.json",
+    )
+    token = hub_token()
+    secrets = {"HF_TOKEN": token} if job.gated and token else None
+    report = supervise(request, job, settings, _lease_keeper(job_id, owner), group, secrets)
     if report is None:
+        shutil.rmtree(artifacts.root, ignore_errors=True)
         return "lease lost: cancelled or taken over; nothing written"
+    if report.verdict is not None:  # it ended here: ERROR, or SKIPPED as too large
+        return _write_result(job_id, owner, report, artifacts, settings)
+    queue = verdict_queue(settings.host_name)
+    with session_scope() as session:
+        released = release_for_verdict(session, job_id, owner, queue, report.torch_version or "")
+    if not released:
+        shutil.rmtree(artifacts.root, ignore_errors=True)
+        return "lease lost after the accelerator stage; nothing written"
+    enqueue_verdict(app, job_id, queue)
+    return f"accelerator stage done; verdict stage on {queue}"
+
+
+@app.task(name=JUDGE_JOB_TASK, bind=True)
+def judge_job(self: Any, job_id: int) -> str:
+    """The verdict stage, on this host's CPUs, from the accelerator stage's artifacts (never rerunning it)."""
+    settings = get_settings()
+    owner = lease_owner(self.request.hostname, settings)
+    job = claim(self, job_id, owner, settings, Stage.verdict)
+    if job is None:
+        return "not ours: finished, cancelled or judged elsewhere"
+    artifacts = Artifacts(artifact_dir(settings, job_id))
+    if not artifacts.accelerator.exists():
+        message = f"the accelerator stage's artifacts are missing from {artifacts.root} on {settings.host_name}"
+        return _write_result(
+            job_id, owner, job_report(job, Verdict.ERROR, ErrorClass.internal, message), artifacts, settings
+        )
+    _hand_over_stored_reference(artifacts)
+    request = RunRequest(
+        model_id=job.model_id,
+        revision=job.sha,
+        backend=job.backend,
+        task=job.task,
+        cores=job.cores,
+        stage=Stage.verdict,
+        artifacts=artifacts.root,
+        report=artifacts.root / "verdict-report.json",
+    )
+    keep_lease = _lease_keeper(job_id, owner)
+    report = supervise(request, job, settings, keep_lease, None)
+    output = VerdictOutput.model_validate_json(artifacts.verdict.read_text()) if artifacts.verdict.exists() else None
+    if output is not None and output.new_reference is not None:
+        blob = artifacts.reference_prefill.read_bytes() if artifacts.reference_prefill.exists() else None
+        with session_scope() as session:
+            references.store(session, output.new_reference, blob)
+    if report is not None and output is not None and output.judge_needed and report.verdict != Verdict.ERROR:
+        judge_request = request.model_copy(
+            update={"stage": Stage.judge, "report": artifacts.root / "judge-report.json"}
+        )
+        secrets = {"SUPPORTMATRIX_JUDGE_TOKEN": settings.judge_token} if settings.judge_token else None
+        report = supervise(judge_request, job, settings, keep_lease, None, secrets)
+    if report is None:
+        shutil.rmtree(artifacts.root, ignore_errors=True)
+        return "lease lost: cancelled or taken over; nothing written"
+    return _write_result(job_id, owner, report, artifacts, settings)
+
+
+def _hand_over_stored_reference(artifacts: Artifacts) -> None:
+    """Put the stored reference this run can reuse (if any) where the verdict stage looks for it."""
+    key = AcceleratorOutput.model_validate_json(artifacts.accelerator.read_text()).reference_key
+    with session_scope() as session:
+        stored = references.load(session, key)
+    if stored is not None:
+        reference, blob = stored
+        write_model(artifacts.stored_reference, reference)
+        if blob is not None:
+            artifacts.reference_prefill.write_bytes(blob)
+
+
+def _write_result(job_id: int, owner: str, report: RunReport, artifacts: Artifacts, settings: Settings) -> str:
     with session_scope() as session:
         written = finish(session, job_id, owner, report)
     if written:
         request_export(app)
-    return f"{report.verdict.value} {report.error_class or ''}".strip()
+    _retire_artifacts(artifacts, keep=written and report.verdict == Verdict.FAIL, settings=settings)
+    return f"{report.verdict} {report.error_class or ''}".strip() if written else "lease lost; nothing written"
+
+
+def _retire_artifacts(artifacts: Artifacts, keep: bool, settings: Settings) -> None:
+    """Remove a finished job's artifacts — a FAIL's are kept for inspection — and those kept past retention."""
+    if not keep:
+        shutil.rmtree(artifacts.root, ignore_errors=True)
+    cutoff = time.time() - settings.artifact_retention_s
+    for kept in artifacts.root.parent.glob("job-*"):
+        if kept != artifacts.root and (kept / "verdict.json").exists() and kept.stat().st_mtime < cutoff:
+            shutil.rmtree(kept, ignore_errors=True)
 
 
 @app.task(name=EXPORT_TASK)
@@ -74,19 +212,19 @@ def sweep(self: Any, sweep_id: int | None = None) -> str:
                 return f"slot {slot} already swept"
             sweep_id = opened.id
     try:
-        with session_scope() as session:
+        with new_session() as session:  # committed by commit_and_enqueue; a Hub failure keeps nothing
             record = session.get(Sweep, sweep_id)
-            if record is None or record.state == "done":
+            if record is None or record.state == SweepState.done:
                 return "nothing to do"
-            to_enqueue = run_sweep(session, settings, record)
+            submitted = run_sweep(session, settings, record)
+            commit_and_enqueue(session, app, submitted)
     except HubUnavailable as exc:
         if self.request.retries < SWEEP_RETRIES:
-            raise self.retry(countdown=2 ** (self.request.retries + 1), exc=exc) from exc
+            # The retry keeps the sweep's id: a scheduled sweep's slot is already taken by it.
+            raise self.retry(args=[sweep_id], countdown=2 ** (self.request.retries + 1), exc=exc) from exc
         with session_scope() as session:
             failed = session.get(Sweep, sweep_id)
             assert failed is not None
-            failed.state, failed.error = "failed", f"{ErrorClass.hub_unavailable.value}: {exc}"
+            failed.state, failed.error = SweepState.failed, f"{ErrorClass.hub_unavailable.value}: {exc}"
         return "failed: the Hub did not answer"
-    for s in to_enqueue:
-        enqueue_job(app, s.job.id, s.job.queue)
-    return f"{len(to_enqueue)} jobs enqueued"
+    return f"{sum(s.enqueue for s in submitted)} jobs enqueued"

@@ -12,7 +12,7 @@ from typing import Any
 
 from celery import Celery
 
-from shared.jobs.queues import CONTROL_QUEUE, EXPORT_TASK, RUN_JOB_TASK, SWEEP_TASK, celery_task_id
+from shared.jobs.queues import CONTROL_QUEUE, EXPORT_TASK, JUDGE_JOB_TASK, RUN_JOB_TASK, SWEEP_TASK, celery_task_id
 from shared.settings import Settings, get_settings
 
 
@@ -50,6 +50,10 @@ def get_producer() -> Celery:
 
 def enqueue_job(producer: Celery, job_id: int, queue: str) -> None:
     producer.send_task(RUN_JOB_TASK, args=[job_id], queue=queue, task_id=celery_task_id(job_id))
+
+
+def enqueue_verdict(producer: Celery, job_id: int, queue: str) -> None:
+    producer.send_task(JUDGE_JOB_TASK, args=[job_id], queue=queue)
 
 
 def revoke_job(producer: Celery, job_id: int) -> None:

@@ -10,21 +10,22 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
+from importlib import metadata
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from shared.contracts import RunReport, RuntimeInfo, default_runtime
+from shared.contracts import LIBRARY, RunReport, RuntimeInfo
 from shared.db.models import Job, Result, Worker, utcnow
-from shared.enums import ACTIVE_STATES, ErrorClass, JobState, Task, Verdict
+from shared.enums import ACTIVE_STATES, FINISHED_STATES, CompilerName, ErrorClass, JobState, Stage, Task, Verdict
 from shared.hub.client import ResolvedModel
 from shared.jobs.queues import job_queue
 from shared.settings import Settings
 from shared.testconfig import config_hash
 
-FINISHED_STATES = (JobState.done, JobState.failed, JobState.cancelled)
 # The report fields a result row keeps (the rest, like model_id, live on the job).
 RESULT_FIELDS = {c.key for c in Result.__table__.columns} & set(RunReport.model_fields)
 
@@ -62,6 +63,37 @@ def served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
         return list(seen.values())
     default = default_runtime(settings)
     return [default] if default else []
+
+
+def _installed(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def default_runtime(settings: Settings) -> RuntimeInfo | None:
+    """The runtime a job is planned for when no live worker says what it serves.
+
+    Read from package metadata so that the API never imports torch; None when it cannot be known here.
+    """
+    torch_version = _installed("torch")
+    library_version = _installed(LIBRARY)
+    if settings.backend == "neuron":
+        compiler_name = CompilerName.neuronx_cc.value
+        compiler_version = settings.default_compiler or _installed("neuronx-cc")
+    else:
+        compiler_name = CompilerName.inductor.value
+        compiler_version = settings.default_compiler or (torch_version and f"inductor-{torch_version}")
+    if not (compiler_version and library_version):
+        return None
+    return RuntimeInfo(
+        backend=settings.backend,
+        compiler_name=compiler_name,
+        compiler_version=compiler_version,
+        library_version=library_version,
+        torch_version=torch_version or "unknown",
+    )
 
 
 def plan_runtimes(session: Session, settings: Settings, compilers: list[str] | None) -> list[RuntimeInfo]:
@@ -140,6 +172,7 @@ def submit(
             sha=model.sha,
             task=task,
             config_hash=config_hash(task),
+            gated=model.gated,
             **runtime.model_dump(),
             cores=cores,
             queue=job_queue(runtime.backend, runtime.compiler_version, cores),
@@ -193,55 +226,112 @@ def job_report(job: Job, verdict: Verdict, error_class: ErrorClass, message: str
 # --- the lease -----------------------------------------------------------------------------------------
 
 
-def acquire_lease(session: Session, job_id: int, owner: str, settings: Settings) -> Job | None:
-    """Take the job for ``owner``, or None when it is not ours to run (finished, cancelled, leased).
+class Claim(StrEnum):
+    """What a delivery of a job's message found."""
 
-    A running job whose heartbeat is older than the lease timeout belonged to a worker that died:
-    it may be taken over, up to ``max_attempts`` deliveries, after which it ends ERROR(worker_lost).
+    taken = "taken"  # ours now: run the stage
+    gone = "gone"  # finished, cancelled, or not at this stage: the message is spent
+    held = "held"  # another owner holds a fresh lease: deliver again later, never drop it
+
+
+@dataclass(frozen=True)
+class StageRules:
+    """Where a stage's lease lives: the state it runs in, the state it is taken from, its delivery counter."""
+
+    stage: Stage
+    running: JobState
+    waiting: JobState
+    attempts: sa.orm.InstrumentedAttribute[int]
+
+
+STAGE_RULES = {
+    Stage.accelerator: StageRules(Stage.accelerator, JobState.running, JobState.queued, Job.attempts),
+    Stage.verdict: StageRules(Stage.verdict, JobState.judging, JobState.judging, Job.verdict_attempts),
+}
+
+
+def acquire_lease(
+    session: Session, job_id: int, owner: str, settings: Settings, stage: Stage, dead_owner: str | None = None
+) -> tuple[Claim, Job | None]:
+    """Take the job's ``stage`` for ``owner``.
+
+    The accelerator stage is taken from ``queued``; the verdict stage from ``judging`` with no owner (the
+    accelerator stage releases its lease with its cores). Either may be taken over from an owner whose
+    heartbeat is older than the lease timeout, or from ``dead_owner`` (a lease holder the caller knows is
+    dead: a process of this host that no longer exists), up to ``max_attempts`` deliveries, after which
+    the job ends ERROR(worker_lost).
     """
+    rules = STAGE_RULES[stage]
     now = utcnow()
     stale = now - dt.timedelta(seconds=settings.lease_timeout_s)
-    takeable = sa.or_(
-        Job.state == JobState.queued,
-        sa.and_(Job.state == JobState.running, Job.heartbeat_at < stale),
-    )
+    lapsed = sa.or_(Job.heartbeat_at < stale, Job.lease_owner == dead_owner) if dead_owner else Job.heartbeat_at < stale
+    fresh_start = Job.state == rules.waiting
+    if rules.waiting == rules.running:
+        fresh_start = sa.and_(fresh_start, Job.lease_owner.is_(None))
+    takeable = sa.or_(fresh_start, sa.and_(Job.state == rules.running, Job.lease_owner.is_not(None), lapsed))
     exhausted = session.execute(
         sa.update(Job)
-        .where(Job.id == job_id, takeable, Job.attempts >= settings.max_attempts)
+        .where(Job.id == job_id, takeable, rules.attempts >= settings.max_attempts)
         .values(lease_owner=owner, heartbeat_at=now)
         .execution_options(synchronize_session=False)
     ).rowcount
     if exhausted:
-        job = session.get(Job, job_id)
+        job = session.get(Job, job_id, populate_existing=True)
         assert job is not None
-        message = f"delivered {job.attempts} times without finishing; the workers running it were lost"
+        message = (
+            f"the {stage.value} stage was delivered {settings.max_attempts} times without finishing; "
+            "the workers running it were lost"
+        )
         finish(session, job_id, owner, job_report(job, Verdict.ERROR, ErrorClass.worker_lost, message))
-        return None
+        return Claim.gone, None
+    started = {"started_at": now} if stage == Stage.accelerator else {}
     taken = session.execute(
         sa.update(Job)
         .where(Job.id == job_id, takeable)
         .values(
-            state=JobState.running,
+            state=rules.running,
             lease_owner=owner,
             heartbeat_at=now,
-            started_at=now,
-            attempts=Job.attempts + 1,
+            **{rules.attempts.key: rules.attempts + 1},
+            **started,
         )
         .execution_options(synchronize_session=False)
     ).rowcount
-    if not taken:
-        return None
     job = session.get(Job, job_id, populate_existing=True)
-    return job
+    if taken:
+        return Claim.taken, job
+    held = job is not None and job.state == rules.running and job.lease_owner is not None
+    return (Claim.held if held else Claim.gone), job
 
 
 def heartbeat(session: Session, job_id: int, owner: str) -> bool:
-    """Extend the lease; False when it is no longer ours (cancelled, or taken over)."""
+    """Extend the lease of either stage; False when it is no longer ours (cancelled, or taken over)."""
+    return bool(
+        session.execute(
+            sa.update(Job)
+            .where(Job.id == job_id, Job.lease_owner == owner, Job.state.in_((JobState.running, JobState.judging)))
+            .values(heartbeat_at=utcnow())
+            .execution_options(synchronize_session=False)
+        ).rowcount
+    )
+
+
+def release_for_verdict(session: Session, job_id: int, owner: str, verdict_queue: str, torch_version: str) -> bool:
+    """The accelerator stage is done: running → judging, the lease and the cores released; the verdict stage
+    will be taken from ``verdict_queue`` (the queue of the host that holds the artifacts)."""
+    now = utcnow()
     return bool(
         session.execute(
             sa.update(Job)
             .where(Job.id == job_id, Job.lease_owner == owner, Job.state == JobState.running)
-            .values(heartbeat_at=utcnow())
+            .values(
+                state=JobState.judging,
+                lease_owner=None,
+                heartbeat_at=now,
+                judging_at=now,
+                verdict_queue=verdict_queue,
+                torch_version=torch_version,
+            )
             .execution_options(synchronize_session=False)
         ).rowcount
     )
@@ -249,11 +339,25 @@ def heartbeat(session: Session, job_id: int, owner: str) -> bool:
 
 def finish(session: Session, job_id: int, owner: str, report: RunReport) -> bool:
     """Write the result of a job we hold; False (nothing written) when the lease is no longer ours."""
+    held = sa.and_(Job.lease_owner == owner, Job.state.in_(ACTIVE_STATES))
+    return _close(session, job_id, held, report)
+
+
+def settle(session: Session, job: Job, verdict: Verdict, error_class: ErrorClass, reason: str) -> None:
+    """Finish a just-created, still queued job without running it (refused at submission)."""
+    settled = _close(session, job.id, Job.state == JobState.queued, job_report(job, verdict, error_class, reason))
+    assert settled, f"job {job.id} was no longer queued"
+    session.refresh(job)
+
+
+def _close(session: Session, job_id: int, condition: sa.ColumnElement[bool], report: RunReport) -> bool:
+    """The one way a job ends with a result: its final state and its result row, in the caller's transaction."""
+    assert report.verdict is not None, "a result needs a verdict"
     state = JobState.failed if report.verdict == Verdict.ERROR else JobState.done
     now = utcnow()
     moved = session.execute(
         sa.update(Job)
-        .where(Job.id == job_id, Job.lease_owner == owner, Job.state.in_(ACTIVE_STATES))
+        .where(Job.id == job_id, condition)
         .values(
             state=state,
             finished_at=now,
@@ -265,8 +369,7 @@ def finish(session: Session, job_id: int, owner: str, report: RunReport) -> bool
     ).rowcount
     if not moved:
         return False
-    fields = report.model_dump(include=RESULT_FIELDS)
-    session.add(Result(job_id=job_id, **fields))
+    session.add(Result(job_id=job_id, **report.model_dump(include=RESULT_FIELDS)))
     return True
 
 

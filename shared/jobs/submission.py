@@ -24,7 +24,6 @@ TASK_BY_PIPELINE = {
     "feature-extraction": Task.feature_extraction,
     "sentence-similarity": Task.feature_extraction,
 }
-SUBMISSION_OWNER = "submission"
 
 
 class UnsupportedTask(ValueError):
@@ -78,18 +77,9 @@ def submit_model(session: Session, settings: Settings, request: Request) -> list
     submitted = jobs.submit(session, model, request.revision, runtimes, force=request.force, task=task.value,
                             cores=cores or 1)  # fmt: skip
     if refusal is not None:
-        verdict, error_class, reason = refusal
         for s in submitted:
             if s.created:
-                settle(session, s, verdict, error_class, reason)
+                session.flush()
+                jobs.settle(session, s.job, *refusal)
+                s.enqueue = False
     return submitted
-
-
-def settle(session: Session, submitted: jobs.Submitted, verdict: Verdict, error_class: ErrorClass, reason: str) -> None:
-    """Finish a just-created job without running it."""
-    job = submitted.job
-    job.lease_owner = SUBMISSION_OWNER
-    session.flush()
-    jobs.finish(session, job.id, SUBMISSION_OWNER, jobs.job_report(job, verdict, error_class, reason))
-    session.refresh(job)
-    submitted.enqueue = False

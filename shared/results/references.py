@@ -1,33 +1,33 @@
-"""The CPU reference computed once: stored in SQL, reused across compiler versions and reruns."""
+"""The CPU reference computed once: stored in SQL, reused across compiler versions and reruns.
+
+The worker looks a job's reference up before its verdict stage and hands it to the runner as a file; it
+stores the one a verdict stage computed. The runner never opens the database.
+"""
 
 from __future__ import annotations
-
-import hashlib
-from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from shared.contracts import StoredReference
 from shared.db.models import ReferenceRun
 from shared.testconfig import config_hash
 
 
-def reference_key(model_id: str, sha: str, task: str, dtype: str, library_version: str, torch_version: str) -> str:
-    parts = [model_id, sha, task, config_hash(task), dtype, library_version, torch_version]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+def load(session: Session, key: str) -> tuple[StoredReference, bytes | None] | None:
+    """The stored reference and its prefill logits (a .npy file's bytes), or None."""
+    row = session.get(ReferenceRun, key)
+    if row is None:
+        return None
+    return StoredReference.model_validate(row, from_attributes=True), row.blob
 
 
-def load(session: Session, key: str) -> ReferenceRun | None:
-    return session.get(ReferenceRun, key)
-
-
-def store(session: Session, key: str, identity: dict[str, str], data: dict[str, Any], blob: bytes | None) -> None:
+def store(session: Session, reference: StoredReference, blob: bytes | None) -> None:
     """Keep a reference; a concurrent run that stored the same one first wins (they are equal)."""
     try:
         with session.begin_nested():
-            session.add(ReferenceRun(key=key, config_hash=config_hash(identity["task"]), data=data, blob=blob,
-                                     **identity))  # fmt: skip
+            session.add(ReferenceRun(**reference.model_dump(), config_hash=config_hash(reference.task), blob=blob))
     except IntegrityError:
         pass
 

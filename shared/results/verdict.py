@@ -127,3 +127,14 @@ def decide(evidence: Evidence, tol: Tolerances) -> Decision:
             return fail(f"the {judge.kind} judge finds the sharded output not fluent: {judge.rationale}")
         reason += f"; {judge.kind} judge: {judge.rationale}"
     return Decision(Verdict.PASS, reason, divergence)
+
+
+def judge_report_fields(judge: JudgeOutcome | None) -> dict[str, str | None]:
+    """The report's audit fields of a judge (all None without one)."""
+    return {
+        "judge_kind": judge.kind if judge else None,
+        "judge_model": judge.model if judge else None,
+        "judge_prompt_hash": judge.prompt_hash if judge else None,
+        "judge_answer": judge.answer if judge else None,
+        "judge_rationale": judge.rationale if judge else None,
+    }

@@ -20,6 +20,11 @@ class Backend(ABC):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
+    @property
+    def fault(self) -> str | None:
+        """A fault planted in the accelerator run (the cpu backend's test knob); none elsewhere."""
+        return None
+
     def reproduce_env(self) -> dict[str, str]:
         """Settings that changed what ran, as they must prefix the reproduce command."""
         return {}

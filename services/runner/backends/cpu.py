@@ -19,6 +19,10 @@ class CpuBackend(Backend):
     def compile_backend(self) -> str:  # type: ignore[override]
         return self.settings.cpu_compile_backend
 
+    @property
+    def fault(self) -> str | None:
+        return self.settings.cpu_fault
+
     def reproduce_env(self) -> dict[str, str]:
         if self.compile_backend == "inductor":
             return {}

@@ -1,0 +1,33 @@
+"""`python -m services.runner.describe [--backend B]`: the runtime this machine serves, as one JSON line.
+
+The worker asks this once at start (it never imports torch itself); the answer comes from a runner child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from services.runner.backends import BACKENDS
+from services.runner.launch import run_child
+from services.runner.specs import DescribeSpec
+from shared.contracts import RuntimeInfo
+from shared.settings import get_settings, inherited_environment
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = get_settings()
+    parser = argparse.ArgumentParser(prog="python -m services.runner.describe", description=__doc__)
+    parser.add_argument("--backend", choices=sorted(BACKENDS), default=settings.backend)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="describe-") as tmp:
+        spec = DescribeSpec(backend=args.backend)
+        info = run_child(spec, RuntimeInfo, inherited_environment({}), settings.job_timeout_s, Path(tmp))
+    print(info.model_dump_json())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""What the runner hands its child processes, and what they hand back: typed, written as JSON files.
+
+A child is started with the path of its spec; it writes a ``ChildOutcome`` to the spec's ``out`` path —
+its data on success, or an error class, message and traceback. A crash leaves no file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from shared.contracts import AcceleratorData
+from shared.enums import ErrorClass, Task
+from shared.results.verdict import StepEvidence
+
+
+class ChildSpec(BaseModel):
+    role: str
+    backend: str
+    out: Path = Path()  # set per rank by the launcher
+    rank: int = 0
+    world_size: int = 1
+
+
+class DescribeSpec(ChildSpec):
+    role: Literal["describe"] = "describe"
+
+
+class AcceleratorSpec(ChildSpec):
+    """One rank of the accelerator run; rank 0 writes the prefill logits and step scores to ``artifacts``."""
+
+    role: Literal["accelerator"] = "accelerator"
+    task: Task
+    model_dir: Path
+    artifacts: Path
+
+
+class ReferenceSpec(ChildSpec):
+    """The CPU reference: its own outputs, and (text-generation) the accelerator's tokens scored teacher-forced."""
+
+    role: Literal["reference"] = "reference"
+    task: Task
+    model_dir: Path
+    artifacts: Path
+    accelerator: AcceleratorData
+
+
+AnySpec = Annotated[DescribeSpec | AcceleratorSpec | ReferenceSpec, Field(discriminator="role")]
+
+
+class SpecFile(BaseModel):
+    spec: AnySpec
+
+
+class ReferenceResult(BaseModel):
+    """What the reference child found: the payload a stored reference keeps, and the teacher-forced scoring."""
+
+    data: dict[str, Any]
+    divergent_steps: list[StepEvidence] = []
+    accelerator_loglik: float | None = None
+
+
+class ChildOutcome(BaseModel):
+    ok: bool
+    data: dict[str, Any] | None = None  # validated by the caller against the role's result model
+    error_class: ErrorClass | None = None
+    message: str = ""
+    traceback: str = ""

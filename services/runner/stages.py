@@ -1,0 +1,248 @@
+"""The runner's stages: accelerator (pinned cores), verdict and judge (host CPUs), or all of them in one go.
+
+Stages hand over through the job's artifact directory (``shared.contracts.Artifacts``), never through a
+database: the worker puts a stored reference there before the verdict stage and stores the new one it
+finds there after.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import tempfile
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+from services.runner.backends import Backend, get_backend
+from services.runner.download import Checkpoint, download
+from services.runner.failures import RunFailure, phase
+from services.runner.judges import make_judge
+from services.runner.launch import run_child, run_ranks
+from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
+from services.runner.tasks import get_task
+from shared.contracts import (
+    AcceleratorData,
+    AcceleratorOutput,
+    Artifacts,
+    RunReport,
+    RunRequest,
+    StoredReference,
+    VerdictOutput,
+    write_model,
+)
+from shared.enums import ErrorClass, Stage, Verdict
+from shared.hub.sizing import checkpoint_shape, default_core_memory_bytes, size_model
+from shared.settings import Settings, inherited_environment
+
+
+def run(request: RunRequest, settings: Settings) -> RunReport:
+    backend = get_backend(request.backend or settings.backend, settings)
+    with _artifact_dir(request, settings) as root:
+        artifacts = Artifacts(root)
+        if request.stage == Stage.judge:
+            return judge_stage(settings, artifacts)
+        if request.stage in (Stage.accelerator, Stage.full):
+            report = accelerator_stage(request, backend, artifacts)
+            if request.stage == Stage.accelerator or report.verdict is not None:
+                return report
+        verdict = verdict_stage(request, backend, artifacts)
+        if request.stage == Stage.verdict or not verdict.judge_needed:
+            return verdict.report
+        return judge_stage(settings, artifacts)
+
+
+def _artifact_dir(request: RunRequest, settings: Settings) -> AbstractContextManager[Path]:
+    """The job's artifact directory; a standalone full run gets a temporary one under the data dir."""
+    if request.artifacts is not None:
+        request.artifacts.mkdir(parents=True, exist_ok=True)
+        return nullcontext(request.artifacts)
+    if request.stage != Stage.full:
+        raise ValueError(f"--stage {request.stage.value} needs --artifacts, where the stages hand over")
+    runs = settings.data_dir / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    return _temporary(runs)
+
+
+def _temporary(parent: Path) -> AbstractContextManager[Path]:
+    class Temporary(tempfile.TemporaryDirectory[str]):
+        def __enter__(self) -> Path:  # type: ignore[override]
+            return Path(self.name)
+
+    return Temporary(prefix="run-", dir=parent)
+
+
+def _timeout(request: RunRequest, backend: Backend) -> float:
+    return request.timeout_s or backend.settings.job_timeout_s
+
+
+# --- the accelerator stage ----------------------------------------------------------------------------
+
+
+def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -> RunReport:
+    """Download, size, load, compile, generate; leave an AcceleratorOutput. The report's verdict stays None
+    unless the run ended here (ERROR, or SKIPPED as too large)."""
+    report = RunReport(
+        model_id=request.model_id,
+        revision=request.revision,
+        task=request.task.value,
+        backend=backend.name,
+        host=socket.gethostname(),
+        core_range=request.core_range,
+    )
+    try:
+        checkpoint = download(
+            request.model_id, request.revision, request.local_dir, backend.settings.hub_retry_delays_s
+        )
+        report.sha = checkpoint.sha
+        report.cores = choose_cores(request, checkpoint, backend)
+        reproduced = request.model_copy(update={"revision": checkpoint.sha or request.revision, "cores": report.cores})
+        report.reproduce = reproduced.reproduce_command(backend.reproduce_env())
+        spec = AcceleratorSpec(
+            backend=backend.name,
+            world_size=report.cores,
+            task=request.task,
+            model_dir=checkpoint.path,
+            artifacts=artifacts.root,
+        )
+        env = inherited_environment(backend.accelerator_env())
+        ranks = run_ranks(spec, AcceleratorData, env, _timeout(request, backend), artifacts.root)
+    except RunFailure as failure:
+        too_large = failure.error_class == ErrorClass.too_large
+        return report.model_copy(
+            update={
+                "verdict": Verdict.SKIPPED if too_large else Verdict.ERROR,
+                "error_class": failure.error_class,
+                "error_message": failure.message,
+            }
+        )
+    data = ranks[0]
+    data.peak_memory_bytes = max(r.peak_memory_bytes for r in ranks)
+    assert data.runtime is not None
+    runtime = data.runtime
+    report = report.model_copy(
+        update={
+            **runtime.model_dump(),
+            **data.model_dump(
+                include={
+                    "wall_s",
+                    "load_s",
+                    "compile_s",
+                    "generate_s",
+                    "peak_memory_bytes",
+                    "visible_cores",
+                    "compile_cache",
+                }
+            ),
+            "parallelism": data.parallelism.value,
+        }
+    )
+    key = StoredReference.key_for(
+        request.model_id,
+        checkpoint.content_id,
+        request.task.value,
+        backend.dtype,
+        runtime.library_version,
+        runtime.torch_version,
+    )
+    output = AcceleratorOutput(
+        report=report,
+        data=data,
+        model_dir=checkpoint.path,
+        dtype=backend.dtype,
+        content_id=checkpoint.content_id,
+        reference_key=key,
+    )
+    write_model(artifacts.accelerator, output)
+    return report
+
+
+def choose_cores(request: RunRequest, checkpoint: Checkpoint, backend: Backend) -> int:
+    """--cores when given, else the fewest cores whose memory holds the checkpoint."""
+    if request.cores:
+        return int(request.cores)
+    memory = default_core_memory_bytes(backend.name, backend.settings.core_memory_gib)
+    try:
+        shape = checkpoint_shape(checkpoint.path)
+    except (OSError, ValueError, KeyError, struct.error) as exc:
+        raise RunFailure(ErrorClass.load, f"the checkpoint's config or weight headers are unreadable: {exc}") from exc
+    sizing = size_model(shape, memory)
+    if sizing.cores is None:
+        raise RunFailure(ErrorClass.too_large, sizing.reason)
+    return sizing.cores
+
+
+# --- the verdict stage ---------------------------------------------------------------------------------
+
+
+def verdict_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -> VerdictOutput:
+    """The reference (stored, or computed on the CPU), the evidence and the verdict; leaves a VerdictOutput.
+
+    A sharded text-generation run's verdict is provisional here: the judge stage decides it with the judge.
+    """
+    acc = AcceleratorOutput.model_validate_json(artifacts.accelerator.read_text())
+    task = get_task(request.task)
+    found: ReferenceResult | None = None
+    new_reference = None
+    if artifacts.stored_reference.exists():
+        stored = StoredReference.model_validate_json(artifacts.stored_reference.read_text())
+        found = task.reuse(acc.data, stored.data)
+    reused = found is not None
+    try:
+        if found is None:
+            spec = ReferenceSpec(
+                backend=backend.name,
+                task=request.task,
+                model_dir=acc.model_dir,
+                artifacts=artifacts.root,
+                accelerator=acc.data,
+            )
+            env = inherited_environment(backend.reference_env())
+            found = run_child(spec, ReferenceResult, env, _timeout(request, backend), artifacts.root)
+            new_reference = acc.new_reference(found.data)
+        report, evidence = task.conclude(
+            acc.report.model_copy(update={"reference_reused": reused}), acc.data, found, artifacts, acc.dtype
+        )
+    except RunFailure as failure:
+        failed = acc.report.model_copy(
+            update={"verdict": Verdict.ERROR, "error_class": failure.error_class, "error_message": failure.message}
+        )
+        output = VerdictOutput(report=failed, dtype=acc.dtype)
+    else:
+        output = VerdictOutput(
+            report=report,
+            dtype=acc.dtype,
+            evidence=evidence,
+            new_reference=new_reference,
+            judge_needed=evidence is not None and report.cores > 1,
+        )
+    write_model(artifacts.verdict, output)
+    return output
+
+
+# --- the judge stage -----------------------------------------------------------------------------------
+
+
+def judge_stage(settings: Settings, artifacts: Artifacts) -> RunReport:
+    """Ask the configured judge about a sharded run's text and decide with its answer.
+
+    It runs in a process of its own that loads no tested checkpoint: the only one given the judge's token.
+    """
+    output = VerdictOutput.model_validate_json(artifacts.verdict.read_text())
+    report = output.report
+    try:
+        with phase(ErrorClass.runtime):
+            judge = make_judge(settings).judge(
+                report.generated_text or "",
+                report.reference_text or "",
+                report.accelerator_loglik or 0.0,
+                report.reference_loglik or 0.0,
+            )
+    except RunFailure as failure:
+        return report.model_copy(
+            update={
+                "verdict": Verdict.ERROR,
+                "error_class": failure.error_class,
+                "error_message": f"judge: {failure.message}",
+            }
+        )
+    return output.judged(judge)
