@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy.orm import Session
 
 from shared.contracts import RunReport, RuntimeInfo
-from shared.enums import ErrorClass, Verdict
+from shared.enums import ErrorClass, Stage, Verdict
 from shared.hub.client import ResolvedModel
 from shared.jobs import rules as jobs
 from shared.settings import Settings
@@ -27,7 +27,7 @@ def record(
     """One finished run of ``model`` under ``rt`` with ``verdict``, as a worker would have written it."""
     resolved = ResolvedModel(model_id=model, sha=sha, gated=False, pipeline_tag=None)
     [sub] = jobs.submit(session, resolved, None, [rt], force=force)
-    jobs.acquire_lease(session, sub.job.id, "w", Settings())
+    jobs.acquire_lease(session, sub.job.id, "w", Settings(), Stage.accelerator)
     error = ErrorClass.compile if verdict == Verdict.ERROR else None
     jobs.finish(
         session,

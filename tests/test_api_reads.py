@@ -115,3 +115,18 @@ def test_openapi_documents_every_status_each_route_returns(api: Any) -> None:
     assert set(paths["/results"]["get"]["responses"]) == {"200", "422", "503"}
     assert set(paths["/healthz"]["get"]["responses"]) == {"200", "503"}
     assert "pattern" in str(paths["/jobs"]["get"]["parameters"])
+
+
+def test_openapi_types_every_response_body(api: Any) -> None:
+    schema = api.get("/openapi.json").json()
+    paths, models = schema["paths"], schema["components"]["schemas"]
+
+    def body(path: str, method: str, status: str) -> str:
+        return str(paths[path][method]["responses"][status]["content"]["application/json"]["schema"])
+
+    assert "ResultRecord" in str(models["ResultPage"]) and "neuron_cores" in models["ResultRecord"]["properties"]
+    assert "SweepOut" in body("/sweeps", "post", "202") and "SweepOut" in body("/sweeps/{sweep_id}", "get", "200")
+    assert "SweepEntryOut" in str(models["SweepOut"])
+    assert "CellDiff" in body("/results/diff", "get", "200")
+    assert set(models["CellChange"]["properties"]) == {"model_id", "task", "from", "to", "from_sha", "to_sha"}
+    assert {"axis", "from", "to"} <= set(models["CellDiff"]["properties"])

@@ -38,8 +38,9 @@ def test_a_cell_is_flaky_when_its_runs_disagree() -> None:
 
 def test_diff_lists_regressions_fixes_and_flaky_cells(session: Session) -> None:
     history(session, runtime(OLD, "5.24.0"), runtime(NEW, "5.24.0"), "org")
-    changes = diff(cells(session, compiler=OLD), cells(session, compiler=NEW), "compiler")
-    names = {k: sorted(e["model_id"].split("/")[1] for e in v) for k, v in changes.items()}
+    changes = diff(session, "compiler", OLD, NEW)
+    lists = changes.model_dump(include={"regressed", "fixed", "flaky", "changed"})
+    names = {k: sorted(e["model_id"].split("/")[1] for e in v) for k, v in lists.items()}
     assert names == {"regressed": ["crash", "regress"], "fixed": ["fix"], "flaky": ["flaky"], "changed": ["skipped"]}
     [flaky] = [c for c in cells(session, compiler=NEW) if c.model_id.endswith("/flaky")]
     assert flaky.status == CellStatus.FLAKY and flaky.runs == 3 and flaky.flips == 2
@@ -50,9 +51,10 @@ def test_the_diff_endpoint_over_compilers_and_library_versions(api: Any) -> None
         history(session, runtime("9.0+a", "5.24.0"), runtime("9.1+b", "5.24.0"), "diffc")
         history(session, runtime("9.3+d", "5.24.0"), runtime("9.3+d", "5.30.0"), "diffl")
     body = api.get("/results/diff", params={"from": "9.0+a", "to": "9.1+b"}).json()
-    assert body["axis"] == "compiler"
+    assert (body["axis"], body["from"], body["to"]) == ("compiler", "9.0+a", "9.1+b")
     assert {e["model_id"] for e in body["regressed"]} == {"diffc/crash", "diffc/regress"}
-    assert [e["model_id"] for e in body["flaky"]] == ["diffc/flaky"] and body["flaky"][0]["to"] == "FLAKY"
+    [flaky] = body["flaky"]
+    assert (flaky["model_id"], flaky["from"], flaky["to"]) == ("diffc/flaky", "PASS", "FLAKY")
     by_library = api.get("/results/diff", params={"from": "5.24.0", "to": "5.30.0", "axis": "library"}).json()
     assert by_library["axis"] == "library" and [e["model_id"] for e in by_library["fixed"]] == ["diffl/fix"]
     assert {e["model_id"] for e in by_library["regressed"]} == {"diffl/crash", "diffl/regress"}

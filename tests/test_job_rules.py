@@ -11,9 +11,10 @@ from sqlalchemy.orm import Session
 
 from shared.contracts import RunReport, RuntimeInfo
 from shared.db.models import Job, Result, Worker, utcnow
-from shared.enums import ErrorClass, JobState, Verdict
+from shared.enums import ErrorClass, JobState, Stage, Verdict
 from shared.hub.client import ResolvedModel
 from shared.jobs import rules as jobs
+from shared.jobs.rules import Claim
 from shared.settings import Settings
 
 RUNTIME = RuntimeInfo(
@@ -43,26 +44,26 @@ def new_job(session: Session, force: bool = False) -> Job:
 
 def test_a_leased_job_cannot_be_leased_again(session: Session, settings: Settings) -> None:
     job = new_job(session)
-    assert jobs.acquire_lease(session, job.id, "w1", settings) is not None
-    assert jobs.acquire_lease(session, job.id, "w2", settings) is None
+    assert jobs.acquire_lease(session, job.id, "w1", settings)[0] == Claim.taken
+    assert jobs.acquire_lease(session, job.id, "w2", settings)[0] == Claim.held  # deliver again later
     assert jobs.finish(session, job.id, "w2", report()) is False  # not the lease owner
     assert jobs.finish(session, job.id, "w1", report()) is True
     session.commit()
-    assert jobs.acquire_lease(session, job.id, "w1", settings) is None  # done: a redelivery does nothing
+    assert jobs.acquire_lease(session, job.id, "w1", settings)[0] == Claim.gone  # done: a redelivery does nothing
     assert session.scalar(sa.select(sa.func.count()).select_from(Result)) == 1
     assert session.get(Job, job.id, populate_existing=True).state == JobState.done
 
 
 def test_a_stale_lease_is_taken_over_until_attempts_run_out(session: Session, settings: Settings) -> None:
     job = new_job(session)
-    assert jobs.acquire_lease(session, job.id, "w1", settings)
+    assert jobs.acquire_lease(session, job.id, "w1", settings)[0] == Claim.taken
     stale = utcnow() - dt.timedelta(seconds=settings.lease_timeout_s + 1)
     session.execute(sa.update(Job).values(heartbeat_at=stale))
-    taken = jobs.acquire_lease(session, job.id, "w2", settings)
-    assert taken is not None and taken.attempts == 2 and taken.lease_owner == "w2"
+    claim, taken = jobs.acquire_lease(session, job.id, "w2", settings)
+    assert claim == Claim.taken and taken is not None and taken.attempts == 2 and taken.lease_owner == "w2"
     assert jobs.heartbeat(session, job.id, "w1") is False  # the old owner learns it lost the lease
     session.execute(sa.update(Job).values(heartbeat_at=stale))
-    assert jobs.acquire_lease(session, job.id, "w3", settings) is None  # max_attempts=2 reached
+    assert jobs.acquire_lease(session, job.id, "w3", settings)[0] == Claim.gone  # max_attempts=2 reached
     session.commit()
     job = session.get(Job, job.id, populate_existing=True)
     assert job.state == JobState.failed and job.error_class == ErrorClass.worker_lost
@@ -71,16 +72,54 @@ def test_a_stale_lease_is_taken_over_until_attempts_run_out(session: Session, se
 
 def test_cancelled_job_is_never_run_or_written(session: Session, settings: Settings) -> None:
     job = new_job(session)
-    assert jobs.acquire_lease(session, job.id, "w1", settings)
+    assert jobs.acquire_lease(session, job.id, "w1", settings)[0] == Claim.taken
     jobs.cancel(session, job.id)
     session.commit()
     assert jobs.heartbeat(session, job.id, "w1") is False
     assert jobs.finish(session, job.id, "w1", report()) is False
     queued = new_job(session, force=True)
     jobs.cancel(session, queued.id)
-    assert jobs.acquire_lease(session, queued.id, "w1", settings) is None
+    assert jobs.acquire_lease(session, queued.id, "w1", settings)[0] == Claim.gone
     with pytest.raises(jobs.JobNotFound):
         jobs.cancel(session, 12345)
+
+
+def test_the_verdict_stage_is_taken_from_judging_after_the_cores_are_released(
+    session: Session, settings: Settings
+) -> None:
+    job = new_job(session)
+    assert jobs.acquire_lease(session, job.id, "acc", settings)[0] == Claim.taken
+    # a verdict stage cannot start while the accelerator stage runs
+    assert jobs.acquire_lease(session, job.id, "v1", settings, Stage.verdict)[0] == Claim.gone
+    assert jobs.release_for_verdict(session, job.id, "acc", "supportmatrix.verdict.h", "2.13.0")
+    job = session.get(Job, job.id, populate_existing=True)
+    assert job.state == JobState.judging and job.lease_owner is None and job.verdict_queue == "supportmatrix.verdict.h"
+    assert jobs.finish(session, job.id, "acc", report()) is False  # the accelerator stage holds nothing now
+    # the accelerator stage's message, redelivered, is spent; the verdict stage takes the job once
+    assert jobs.acquire_lease(session, job.id, "acc2", settings)[0] == Claim.gone
+    assert jobs.acquire_lease(session, job.id, "v1", settings, Stage.verdict)[0] == Claim.taken
+    assert jobs.acquire_lease(session, job.id, "v2", settings, Stage.verdict)[0] == Claim.held
+    # an owner known to be dead is taken over at once, without waiting for its lease to lapse
+    claim, taken = jobs.acquire_lease(session, job.id, "v2", settings, Stage.verdict, dead_owner="v1")
+    assert claim == Claim.taken and taken is not None and taken.verdict_attempts == 2 and taken.attempts == 1
+    assert jobs.heartbeat(session, job.id, "v1") is False and jobs.heartbeat(session, job.id, "v2") is True
+    # max_attempts=2: a third verdict delivery ends the job ERROR(worker_lost), with one result row
+    assert jobs.acquire_lease(session, job.id, "v3", settings, Stage.verdict, dead_owner="v2")[0] == Claim.gone
+    session.commit()
+    job = session.get(Job, job.id, populate_existing=True)
+    assert job.state == JobState.failed and job.error_class == ErrorClass.worker_lost
+    assert "verdict stage was delivered 2 times" in (job.error_message or "")
+    assert session.scalar(sa.select(sa.func.count()).select_from(Result).where(Result.job_id == job.id)) == 1
+
+
+def test_settle_ends_a_queued_job_without_a_lease(session: Session, settings: Settings) -> None:
+    job = new_job(session)
+    jobs.settle(session, job, Verdict.SKIPPED, ErrorClass.too_large, "needs 32 cores")
+    session.commit()
+    assert job.state == JobState.done and job.lease_owner is None and job.error_class == ErrorClass.too_large
+    assert job.result is not None and job.result.verdict == Verdict.SKIPPED
+    with pytest.raises(AssertionError, match="no longer queued"):
+        jobs.settle(session, job, Verdict.SKIPPED, ErrorClass.too_large, "twice")
 
 
 def test_finished_jobs_cannot_be_cancelled(session: Session, settings: Settings) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from services.runner.judges import PROMPT_HASH, LikelihoodJudge, LocalLMJudge, OpenAIJudge, make_judge
 from shared.settings import Settings
-from tests.test_runner import run_runner
+from tests.test_runner import run_local
 
 
 class ChatEndpoint:
@@ -81,8 +81,8 @@ def test_likelihood_judge_needs_no_model() -> None:
 
 
 def test_a_sharded_run_records_the_configured_judge(tiny_models: Path, endpoint: ChatEndpoint) -> None:
-    code, report = run_runner(
-        str(tiny_models / "tiny-llama"),
+    code, report = run_local(
+        tiny_models / "tiny-llama",
         "--cores",
         "2",
         SUPPORTMATRIX_JUDGE_KIND="openai",

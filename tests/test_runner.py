@@ -13,7 +13,10 @@ import pytest
 
 from services.runner.failures import RunFailure, classify
 from services.runner.launch import run_child
+from services.runner.specs import DescribeSpec
+from shared.contracts import RuntimeInfo
 from shared.enums import ErrorClass
+from shared.settings import inherited_environment
 from tests.conftest import ROOT, RUN_DIR
 
 
@@ -31,15 +34,18 @@ def run_runner(*args: str, **env: str) -> tuple[int, dict[str, Any]]:
     return proc.returncode, json.loads(lines[-1])
 
 
+def run_local(directory: Path, *args: str, **env: str) -> tuple[int, dict[str, Any]]:
+    """The runner on a checkpoint directory: only through its explicit --local-dir option."""
+    return run_runner(f"local/{directory.name}", "--local-dir", str(directory), *args, **env)
+
+
 def test_inductor_compiles_and_a_second_host_hits_the_shared_cache(tiny_models: Path) -> None:
     """The real default compiler on the cpu backend, on a local checkpoint directory; a cold run pushes its
     cache entries to a shared remote, a fresh cache elsewhere pulls them and compiles from the cache."""
     remote = str(RUN_DIR / "shared-compile-cache")
     common = {"SUPPORTMATRIX_CPU_COMPILE_BACKEND": "inductor", "SUPPORTMATRIX_COMPILE_CACHE_REMOTE": remote,
               "SUPPORTMATRIX_COMPILE_CACHE_PUSH": "true"}  # fmt: skip
-    code, report = run_runner(
-        str(tiny_models / "tiny-llama"), SUPPORTMATRIX_CACHE_DIR=str(RUN_DIR / "cache-a"), **common
-    )
+    code, report = run_local(tiny_models / "tiny-llama", SUPPORTMATRIX_CACHE_DIR=str(RUN_DIR / "cache-a"), **common)
     assert code == 0, report
     assert report["verdict"] == "PASS" and report["compile_cache"] == "miss"
     assert report["compiler_name"] == "inductor" and report["compiler_version"] == "inductor-2.13.0+cpu"
@@ -50,9 +56,11 @@ def test_inductor_compiles_and_a_second_host_hits_the_shared_cache(tiny_models: 
     assert any((Path(remote) / "inductor-inductor-2.13.0+cpu").rglob("*"))
     assert report["compile_s"] > report["generate_s"]
     assert report["sha"] is None  # a local directory has no commit
-    assert report["reproduce"] == f"python -m services.runner {tiny_models / 'tiny-llama'} --backend cpu"
+    assert report["reproduce"] == (
+        f"python -m services.runner local/tiny-llama --local-dir {tiny_models / 'tiny-llama'} --backend cpu --cores 1"
+    )
 
-    code, warm = run_runner(str(tiny_models / "tiny-llama"), SUPPORTMATRIX_CACHE_DIR=str(RUN_DIR / "cache-b"), **common)
+    code, warm = run_local(tiny_models / "tiny-llama", SUPPORTMATRIX_CACHE_DIR=str(RUN_DIR / "cache-b"), **common)
     assert code == 0 and warm["compile_cache"] == "hit", warm
     assert warm["generated_token_ids"] == report["generated_token_ids"]
 
@@ -97,7 +105,7 @@ def test_an_unreachable_hub_is_retried_then_an_error_of_its_own_class(tmp_path: 
 
 def test_describe_reports_what_this_machine_serves() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "services.runner", "--describe"],
+        [sys.executable, "-m", "services.runner.describe"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -119,17 +127,17 @@ def test_bad_usage_exits_2_with_a_message() -> None:
 
 
 def test_a_child_that_dies_without_output_is_a_crash(tmp_path: Path) -> None:
-    spec = {"role": "describe", "backend": "cpu"}
     with pytest.raises(RunFailure) as info:
         # An interpreter without its standard library dies at start-up, before it writes anything.
-        run_child(spec, {"PYTHONHOME": "/nonexistent"}, 60, tmp_path)
+        run_child(DescribeSpec(backend="cpu"), RuntimeInfo, inherited_environment({"PYTHONHOME": "/nonexistent"}), 60,
+                  tmp_path)  # fmt: skip
     assert info.value.error_class == ErrorClass.crash
     assert "exit status 1" in info.value.message and "Fatal Python error" in info.value.message
 
 
 def test_a_child_over_its_time_limit_is_killed(tmp_path: Path) -> None:
     with pytest.raises(RunFailure) as info:
-        run_child({"role": "describe", "backend": "cpu"}, {}, 0.2, tmp_path)
+        run_child(DescribeSpec(backend="cpu"), RuntimeInfo, inherited_environment({}), 0.2, tmp_path)
     assert info.value.error_class == ErrorClass.timeout
 
 

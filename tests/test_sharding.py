@@ -13,11 +13,11 @@ import psutil
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_runner import run_runner
+from tests.test_runner import run_local
 
 
 def run(tiny_models: Path, model: str, *args: str, **env: str) -> tuple[int, dict[str, Any]]:
-    return run_runner(str(tiny_models / model), *args, **env)
+    return run_local(tiny_models / model, *args, **env)
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,16 @@ def test_benign_noise_never_fails(tiny_models: Path, threads: int) -> None:
 
 def test_a_rank_that_dies_takes_its_group_down_and_is_named(tiny_models: Path) -> None:
     runner = subprocess.Popen(
-        [sys.executable, "-m", "services.runner", str(tiny_models / "tiny-llama"), "--cores", "2"],
+        [
+            sys.executable,
+            "-m",
+            "services.runner",
+            "local",
+            "--local-dir",
+            str(tiny_models / "tiny-llama"),
+            "--cores",
+            "2",
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,

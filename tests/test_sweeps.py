@@ -20,8 +20,13 @@ from sqlalchemy.orm import Session
 
 from services.worker.beat import RedisLock
 from shared.contracts import RuntimeInfo
-from shared.db.models import Job, Worker
-from shared.enums import Verdict
+from shared.db.engine import new_session
+from shared.db.models import Job, Sweep, Worker
+from shared.enums import SweepState, Verdict
+from shared.hub.client import ResolvedModel
+from shared.jobs import rules
+from shared.jobs.broker import get_producer, make_celery
+from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
 from shared.jobs.sweeps import open_sweep, run_sweep
 from shared.settings import Settings, get_settings
 from tests.conftest import HUB_TOKEN, ROOT, RUN_DIR
@@ -129,6 +134,39 @@ def test_a_sweep_reruns_cells_whose_runs_flipped(session: Session, settings: Set
     assert sweep_once(session, settings.model_copy(update={"sweep_tasks": [], "sweep_selected": []})) == []
 
 
+def dead_broker() -> Any:
+    return make_celery(Settings(redis_url="redis://127.0.0.1:1/0"))
+
+
+def test_a_submission_the_broker_refuses_keeps_only_the_jobs_that_existed_before(session: Session) -> None:
+    rt = RuntimeInfo(backend="neuron", compiler_name="neuronx-cc", compiler_version=COMPILERS[0],
+                     library_version="5.24.0", torch_version="2.13.0")  # fmt: skip
+    old, new = (ResolvedModel(model_id=f"dispatch/{m}", sha="d" * 40, gated=False, pipeline_tag=None)
+                for m in ("old", "new"))  # fmt: skip
+    [existing] = rules.submit(session, old, None, [rt])
+    session.commit()
+    submitted = rules.submit(session, old, None, [rt]) + rules.submit(session, new, None, [rt])
+    assert [(s.job.id == existing.job.id, s.created) for s in submitted] == [(True, False), (False, True)]
+    with pytest.raises(QueueUnavailable):
+        commit_and_enqueue(session, dead_broker(), submitted)
+    assert session.scalars(sa.select(Job.model_id).where(Job.model_id.startswith("dispatch/"))).all() == [
+        "dispatch/old"
+    ]
+
+
+def test_a_sweep_the_broker_cannot_take_is_a_503_that_keeps_no_sweep(api: Any) -> None:
+    with new_session() as db:
+        before = db.scalar(sa.select(sa.func.count()).select_from(Sweep))
+    api.app.dependency_overrides[get_producer] = dead_broker
+    try:
+        response = api.post("/sweeps")
+    finally:
+        api.app.dependency_overrides.clear()
+    assert response.status_code == 503 and "the job queue is unavailable" in response.text
+    with new_session() as db:
+        assert db.scalar(sa.select(sa.func.count()).select_from(Sweep)) == before
+
+
 def test_only_one_beat_scheduler_holds_the_lock_and_a_standby_takes_over() -> None:
     url = get_settings().redis_url
     first = RedisLock(url, key="supportmatrix:test-beat-lock", ttl_s=1.0)
@@ -164,16 +202,16 @@ def test_post_sweeps_starts_one_and_get_shows_its_progress(
     api: Any, hub: Any, worker: Any, sweep_repos: Path, control_worker: Any
 ) -> None:
     started = api.post("/sweeps")
-    assert started.status_code == 202 and started.json()["state"] == "queued"
+    assert started.status_code == 202 and started.json()["state"] == SweepState.queued
     sweep_id = started.json()["id"]
     deadline = time.monotonic() + 180
     body: dict[str, Any] = {}
     while time.monotonic() < deadline:
         body = api.get(f"/sweeps/{sweep_id}").json()
-        if body["state"] == "done" and body["verdicts"]:
+        if body["state"] == SweepState.done and body["verdicts"]:
             break
         time.sleep(1)
-    assert body["state"] == "done", (RUN_DIR / "control.log").read_text()[-2000:]
+    assert body["state"] == SweepState.done, (RUN_DIR / "control.log").read_text()[-2000:]
     assert [(e["model_id"], e["view"], e["rank"]) for e in body["entries"]][:1] == [("sweep/minilm", "trending", 1)]
     assert body["jobs"] == {"done": 1} and body["verdicts"] == {"PASS": 1}
     assert api.get("/sweeps/999999").status_code == 404
@@ -243,9 +281,6 @@ def test_two_beat_schedulers_sweep_each_slot_once(tmp_path: Path, hub: Any) -> N
             os.killpg(proc.pid, signal.SIGTERM)
         for proc in procs:
             proc.wait(30)
-    from shared.db.engine import new_session
-    from shared.db.models import Sweep
-
     with new_session() as session:
         slots = session.scalars(sa.select(Sweep.slot).where(Sweep.trigger == "schedule")).all()
     assert 2 <= len(slots) <= 8 and len(set(slots)) == len(slots), slots  # each 2-s slot swept at most once

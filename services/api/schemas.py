@@ -9,6 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from shared.enums import ErrorClass, JobState, Task
 from shared.hub.client import MODEL_ID_PATTERN, REVISION_PATTERN, is_model_id, is_revision
+from shared.results.records import ResultRecord
 
 COMPILER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$"
 
@@ -103,7 +104,7 @@ class JobPage(BaseModel):
 
 
 class ResultPage(BaseModel):
-    items: list[dict[str, Any]]
+    items: list[ResultRecord]
     next_cursor: str | None
 
 

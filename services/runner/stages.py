@@ -95,7 +95,9 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
         )
         report.sha = checkpoint.sha
         report.cores = choose_cores(request, checkpoint, backend)
-        reproduced = request.model_copy(update={"revision": checkpoint.sha or request.revision, "cores": report.cores})
+        reproduced = request.model_copy(
+            update={"revision": checkpoint.sha or request.revision, "cores": report.cores, "backend": backend.name}
+        )
         report.reproduce = reproduced.reproduce_command(backend.reproduce_env())
         spec = AcceleratorSpec(
             backend=backend.name,

@@ -24,7 +24,6 @@ from shared.db.models import Job
 from shared.enums import JobState
 from shared.settings import Settings, get_settings
 
-
 # The states that need cores: a judging job has given its cores back.
 CORE_STATES = (JobState.queued, JobState.running)
 

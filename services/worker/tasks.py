@@ -27,7 +27,7 @@ from shared.db.models import Job, Sweep
 from shared.enums import ErrorClass, Stage, SweepState, Verdict
 from shared.hub.client import HubUnavailable
 from shared.jobs.broker import enqueue_verdict, request_export
-from shared.jobs.dispatch import commit_and_enqueue
+from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
 from shared.jobs.queues import EXPORT_TASK, JUDGE_JOB_TASK, RUN_JOB_TASK, SWEEP_TASK, verdict_queue
 from shared.jobs.rules import Claim, acquire_lease, finish, heartbeat, job_report, release_for_verdict
 from shared.jobs.sweeps import open_sweep, run_sweep
@@ -218,6 +218,12 @@ def sweep(self: Any, sweep_id: int | None = None) -> str:
                 return "nothing to do"
             submitted = run_sweep(session, settings, record)
             commit_and_enqueue(session, app, submitted)
+    except QueueUnavailable as exc:
+        with session_scope() as session:
+            failed = session.get(Sweep, sweep_id)
+            assert failed is not None
+            failed.state, failed.error = SweepState.failed, f"the job queue is unavailable: {exc}"
+        return "failed: the job queue is unavailable"
     except HubUnavailable as exc:
         if self.request.retries < SWEEP_RETRIES:
             # The retry keeps the sweep's id: a scheduled sweep's slot is already taken by it.

@@ -11,9 +11,14 @@ from functools import lru_cache
 from typing import Any
 
 from celery import Celery
+from kombu.exceptions import OperationalError
+from redis.exceptions import RedisError
 
 from shared.jobs.queues import CONTROL_QUEUE, EXPORT_TASK, JUDGE_JOB_TASK, RUN_JOB_TASK, SWEEP_TASK, celery_task_id
 from shared.settings import Settings, get_settings
+
+# How a broker that is down or unreachable shows itself to a producer.
+BROKER_ERRORS = (OperationalError, RedisError, OSError)
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

@@ -251,7 +251,12 @@ STAGE_RULES = {
 
 
 def acquire_lease(
-    session: Session, job_id: int, owner: str, settings: Settings, stage: Stage, dead_owner: str | None = None
+    session: Session,
+    job_id: int,
+    owner: str,
+    settings: Settings,
+    stage: Stage = Stage.accelerator,
+    dead_owner: str | None = None,
 ) -> tuple[Claim, Job | None]:
     """Take the job's ``stage`` for ``owner``.
 

@@ -9,14 +9,17 @@ the schedule, unique in SQL, so a schedule that fires twice sweeps once.
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from shared.db.models import Job, Result, Sweep, SweepEntry, utcnow
-from shared.enums import Task
+from shared.enums import JobState, SweepState, Task, Verdict
 from shared.hub.client import ModelNotFound, RevisionNotFound, list_top
 from shared.jobs import rules as jobs
 from shared.jobs.submission import Request, submit_model
@@ -40,7 +43,7 @@ class Candidate:
 
 def open_sweep(session: Session, settings: Settings, trigger: str, slot: str | None = None) -> Sweep | None:
     """A new sweep row, or None when this schedule slot was swept already."""
-    sweep = Sweep(trigger=trigger, slot=slot, state="queued", config={})
+    sweep = Sweep(trigger=trigger, slot=slot, state=SweepState.queued, config={})
     try:
         with session.begin_nested():
             session.add(sweep)
@@ -65,7 +68,7 @@ def candidates(settings: Settings) -> list[Candidate]:
 
 def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.Submitted]:
     """Submit every candidate; returns what to enqueue after the caller commits. HubUnavailable propagates."""
-    sweep.state = "running"
+    sweep.state = SweepState.running
     sweep.config = {"tasks": settings.sweep_tasks, "limit": settings.sweep_limit, "selected": settings.sweep_selected}
     to_enqueue: list[jobs.Submitted] = []
     # A model in several views is submitted once; each view still gets its entry.
@@ -81,7 +84,7 @@ def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.S
             to_enqueue += [s for s in submitted_before[key][0] if s.enqueue]
         add_entries(session, sweep, c, *submitted_before[key])
     to_enqueue += rerun_flipped_cells(session, settings, sweep)
-    sweep.state = "done"
+    sweep.state = SweepState.done
     sweep.finished_at = utcnow()
     return to_enqueue
 
@@ -130,7 +133,9 @@ def rerun_flipped_cells(session: Session, settings: Settings, sweep: Sweep) -> l
 
 def view_job_ids(session: Session, view: str, task: str | None = None) -> list[int]:
     """The jobs of the newest finished sweep's view (trending, downloads, selected), in rank order."""
-    latest = session.scalar(sa.select(Sweep.id).where(Sweep.state == "done").order_by(Sweep.id.desc()).limit(1))
+    latest = session.scalar(
+        sa.select(Sweep.id).where(Sweep.state == SweepState.done).order_by(Sweep.id.desc()).limit(1)
+    )
     if latest is None:
         return []
     stmt = (
@@ -143,8 +148,38 @@ def view_job_ids(session: Session, view: str, task: str | None = None) -> list[i
     return list(dict.fromkeys(session.scalars(stmt)))
 
 
-def progress(session: Session, sweep: Sweep) -> dict[str, object]:
-    """Entries, and the sweep's distinct jobs by state and by verdict."""
+class SweepEntryOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    model_id: str
+    task: str
+    view: str
+    rank: int
+    job_id: int | None
+    created: bool = Field(description="A new job, rather than an existing one.")
+    note: str | None = Field(description="Why there is no job, or why a cell was rerun.")
+
+
+class SweepOut(BaseModel):
+    """A sweep's progress: its entries, and its distinct jobs by state and by verdict."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    trigger: str
+    slot: str | None
+    state: SweepState
+    error: str | None
+    config: dict[str, Any]
+    created_at: dt.datetime
+    finished_at: dt.datetime | None
+    jobs: dict[JobState, int] = Field(default_factory=dict)
+    verdicts: dict[Verdict, int] = Field(default_factory=dict)
+    entries: list[SweepEntryOut]
+
+
+def progress(session: Session, sweep: Sweep) -> SweepOut:
+    """The sweep with its entries, and its distinct jobs counted by state and by verdict."""
     job_ids = sa.select(SweepEntry.job_id).where(SweepEntry.sweep_id == sweep.id, SweepEntry.job_id.is_not(None))
     states = session.execute(
         sa.select(Job.state, sa.func.count()).where(Job.id.in_(job_ids.distinct())).group_by(Job.state)
@@ -152,28 +187,5 @@ def progress(session: Session, sweep: Sweep) -> dict[str, object]:
     verdicts = session.execute(
         sa.select(Result.verdict, sa.func.count()).where(Result.job_id.in_(job_ids.distinct())).group_by(Result.verdict)
     ).all()
-    entries = session.scalars(sa.select(SweepEntry).where(SweepEntry.sweep_id == sweep.id).order_by(SweepEntry.id))
-    return {
-        "id": sweep.id,
-        "trigger": sweep.trigger,
-        "slot": sweep.slot,
-        "state": sweep.state,
-        "error": sweep.error,
-        "config": sweep.config,
-        "created_at": sweep.created_at,
-        "finished_at": sweep.finished_at,
-        "jobs": {state.value: n for state, n in states},
-        "verdicts": {verdict.value: n for verdict, n in verdicts},
-        "entries": [
-            {
-                "model_id": e.model_id,
-                "task": e.task,
-                "view": e.view,
-                "rank": e.rank,
-                "job_id": e.job_id,
-                "created": e.created,
-                "note": e.note,
-            }
-            for e in entries
-        ],
-    }
+    counts = {"jobs": dict(states), "verdicts": dict(verdicts)}
+    return SweepOut.model_validate(sweep).model_copy(update=counts)

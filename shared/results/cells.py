@@ -12,9 +12,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from itertools import pairwise
-from typing import Any
+from typing import Literal
 
 import sqlalchemy as sa
+from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from shared.db.models import Job, Result
@@ -80,30 +81,56 @@ def cells(session: Session, *, compiler: str | None = None, library_version: str
     ]
 
 
-def diff(before: list[Cell], after: list[Cell], axis: str) -> dict[str, list[dict[str, Any]]]:
+class CellChange(BaseModel):
+    """A cell whose status differs between the two versions of a diff."""
+
+    model_id: str
+    task: str
+    from_status: CellStatus = Field(serialization_alias="from")
+    to_status: CellStatus = Field(serialization_alias="to")
+    from_sha: str
+    to_sha: str
+
+
+# What a diff compares: compiler versions, or library (transformers) versions.
+Axis = Literal["compiler", "library"]
+
+
+class CellDiff(BaseModel):
+    axis: Axis
+    from_version: str = Field(serialization_alias="from", description="The older version.")
+    to_version: str = Field(serialization_alias="to", description="The newer version.")
+    regressed: list[CellChange] = Field(default_factory=list, description="PASS, then FAIL or ERROR")
+    fixed: list[CellChange] = Field(default_factory=list, description="FAIL or ERROR, then PASS")
+    flaky: list[CellChange] = Field(default_factory=list, description="FLAKY on either side")
+    changed: list[CellChange] = Field(default_factory=list, description="any other change, e.g. SKIPPED to FAIL")
+
+
+def diff(session: Session, axis: Axis, from_version: str, to_version: str) -> CellDiff:
     """Models that regressed or were fixed between two compiler (or library) versions, and flaky ones.
 
     Cells are matched on everything but the axis that changes.
     """
+    by = "compiler" if axis == "compiler" else "library_version"
 
     def key(c: Cell) -> tuple[str, ...]:
         other = c.library_version if axis == "compiler" else c.compiler_version
         return (c.model_id, c.task, other)
 
-    old = {key(c): c for c in before}
-    out: dict[str, list[dict[str, Any]]] = {"regressed": [], "fixed": [], "flaky": [], "changed": []}
-    for cell in after:
+    old = {key(c): c for c in cells(session, **{by: from_version})}
+    out = CellDiff(axis=axis, from_version=from_version, to_version=to_version)
+    for cell in cells(session, **{by: to_version}):
         was = old.get(key(cell))
         if was is None:
             continue
-        entry = {"model_id": cell.model_id, "task": cell.task, "from": was.status.value, "to": cell.status.value,
-                 "from_sha": was.sha, "to_sha": cell.sha}  # fmt: skip
+        change = CellChange(model_id=cell.model_id, task=cell.task, from_status=was.status, to_status=cell.status,
+                            from_sha=was.sha, to_sha=cell.sha)  # fmt: skip
         if CellStatus.FLAKY in (was.status, cell.status):
-            out["flaky"].append(entry)
+            out.flaky.append(change)
         elif was.status in GOOD and cell.status in BAD:
-            out["regressed"].append(entry)
+            out.regressed.append(change)
         elif was.status in BAD and cell.status in GOOD:
-            out["fixed"].append(entry)
+            out.fixed.append(change)
         elif was.status != cell.status:
-            out["changed"].append(entry)
+            out.changed.append(change)
     return out

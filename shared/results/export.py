@@ -12,13 +12,12 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pyarrow.parquet as pq
 from sqlalchemy.orm import Session
 
 from shared.results.cells import cell_status
-from shared.results.records import query_results, to_table
+from shared.results.records import ResultRecord, query_results, to_table
 
 
 @dataclass
@@ -35,21 +34,21 @@ def file_name(compiler_version: str, library: str, library_version: str) -> str:
     return f"{safe(compiler_version)}--{safe(library)}-{safe(library_version)}.parquet"
 
 
-def latest_per_cell(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+def latest_per_cell(records: list[ResultRecord]) -> dict[str, list[ResultRecord]]:
     """Group newest-first records by file; one row per (model, task): the newest run, whose ``result``
     is the cell's status over all runs of that commit (FLAKY when they disagree)."""
-    files: dict[str, dict[tuple[str, str], list[dict[str, Any]]]] = {}
+    files: dict[str, dict[tuple[str, str], list[ResultRecord]]] = {}
     for rec in records:
-        name = file_name(rec["neuronx_cc"], rec["library"], rec["library_version"])
-        files.setdefault(name, {}).setdefault((rec["model_id"], rec["task"]), []).append(rec)
+        name = file_name(rec.neuronx_cc, rec.library, rec.library_version)
+        files.setdefault(name, {}).setdefault((rec.model_id, rec.task), []).append(rec)
     out = {}
     for name, groups in files.items():
         rows = []
         for runs in groups.values():
             newest = runs[0]
-            verdicts = [r["result"] for r in runs if r["revision"] == newest["revision"]]
-            rows.append({**newest, "result": cell_status(verdicts).value})
-        out[name] = sorted(rows, key=lambda r: (r["model_id"], r["task"]))
+            verdicts = [r.result for r in runs if r.revision == newest.revision]
+            rows.append(newest.model_copy(update={"result": cell_status(verdicts)}))
+        out[name] = sorted(rows, key=lambda r: (r.model_id, r.task))
     return out
 
 

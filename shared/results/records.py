@@ -1,7 +1,8 @@
 """Results as flat records: one shape for the API (JSON, CSV, Parquet) and the dataset export.
 
-The first six columns are the public dataset's (aws-neuron/torch-neuronx-model-support), with its names;
-ours follow. ``result`` holds the Verdict string (PASS / FAIL / ERROR / SKIPPED).
+``ResultRecord`` is that shape's one home: the Parquet schema is derived from it and ``record`` fills it from
+a job and its result row. The first six fields are the public dataset's (aws-neuron/torch-neuronx-model-support),
+with its names; ours follow. Field order is column order, so existing Parquet files keep their layout.
 """
 
 from __future__ import annotations
@@ -10,105 +11,144 @@ import csv
 import datetime as dt
 import io
 import json
+import types
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import sqlalchemy as sa
+from pydantic import BaseModel, Field
+from pydantic.fields import FieldInfo
 from sqlalchemy.orm import Session
 
 from shared.db.models import Job, Result
-from shared.enums import Verdict
+from shared.enums import ErrorClass, Verdict
+from shared.results.cells import CellStatus
 
 SCHEMA_VERSION = 1
 
-RESULT_SCHEMA = pa.schema(
-    [
-        ("model_id", pa.string()),
-        ("neuronx_cc", pa.string()),  # the compiler version that ran: neuronx-cc's, or inductor-<torch>
-        ("library", pa.string()),
-        ("library_version", pa.string()),
-        ("neuron_cores", pa.int32()),
-        ("result", pa.string()),
-        ("schema_version", pa.int32()),
-        ("revision", pa.string()),
-        ("task", pa.string()),
-        ("backend", pa.string()),
-        ("compiler", pa.string()),
-        ("error_class", pa.string()),
-        ("error_message", pa.string()),
-        ("wall_s", pa.float64()),
-        ("load_s", pa.float64()),
-        ("compile_s", pa.float64()),
-        ("generate_s", pa.float64()),
-        ("peak_memory_bytes", pa.int64()),
-        ("first_divergence", pa.int32()),
-        ("verdict_reason", pa.string()),
-        ("compile_cache", pa.string()),
-        ("reference_reused", pa.bool_()),
-        ("parallelism", pa.string()),
-        ("tokens_match", pa.bool_()),
-        ("prefill_rel_error", pa.float64()),
-        ("accelerator_loglik", pa.float64()),
-        ("reference_loglik", pa.float64()),
-        ("similarity", pa.float64()),
-        ("judge_kind", pa.string()),
-        ("judge_model", pa.string()),
-        ("judge_prompt_hash", pa.string()),
-        ("judge_answer", pa.string()),
-        ("judge_rationale", pa.string()),
-        ("generated_text", pa.string()),
-        ("reference_text", pa.string()),
-        ("generated_token_ids", pa.list_(pa.int64())),
-        ("reference_token_ids", pa.list_(pa.int64())),
-        ("host", pa.string()),
-        ("core_range", pa.string()),
-        ("visible_cores", pa.string()),
-        ("torch_version", pa.string()),
-        ("reproduce", pa.string()),
-        ("job_id", pa.int64()),
-        ("finished_at", pa.timestamp("us", tz="UTC")),
-    ]
-)
+# The public dataset's integer width; the plain ``int`` fields are int64.
+Int32 = Annotated[int, pa.int32()]
+
+
+class ResultRecord(BaseModel):
+    """One finished test as a flat row."""
+
+    model_id: str
+    neuronx_cc: str = Field(description="The compiler version that ran: neuronx-cc's, or inductor-<torch>.")
+    library: str
+    library_version: str
+    neuron_cores: Int32
+    result: Verdict | CellStatus = Field(description="The run's verdict; in the export, the cell's status.")
+    schema_version: Int32
+    revision: str = Field(description="The commit sha that was tested.")
+    task: str
+    backend: str
+    compiler: str
+    error_class: ErrorClass | None = None
+    error_message: str | None = None
+    wall_s: float | None = None
+    load_s: float | None = None
+    compile_s: float | None = None
+    generate_s: float | None = None
+    peak_memory_bytes: int | None = None
+    first_divergence: Int32 | None = None
+    verdict_reason: str | None = None
+    compile_cache: str | None = None
+    reference_reused: bool | None = None
+    parallelism: str | None = None
+    tokens_match: bool | None = None
+    prefill_rel_error: float | None = None
+    accelerator_loglik: float | None = None
+    reference_loglik: float | None = None
+    similarity: float | None = None
+    judge_kind: str | None = None
+    judge_model: str | None = None
+    judge_prompt_hash: str | None = None
+    judge_answer: str | None = None
+    judge_rationale: str | None = None
+    generated_text: str | None = None
+    reference_text: str | None = None
+    generated_token_ids: list[int] | None = None
+    reference_token_ids: list[int] | None = None
+    host: str | None = None
+    core_range: str | None = None
+    visible_cores: str | None = None
+    torch_version: str | None = None
+    reproduce: str | None = None
+    job_id: int
+    finished_at: dt.datetime
+
+
+# Record fields taken from the job (what was asked), by the job attribute each comes from. The result row
+# repeats a few identity columns only as a runner reported them, empty on rows settled without one.
+FROM_JOB = {
+    "model_id": "model_id",
+    "neuronx_cc": "compiler_version",
+    "library": "library",
+    "library_version": "library_version",
+    "revision": "sha",
+    "task": "task",
+    "backend": "backend",
+    "compiler": "compiler_name",
+    "job_id": "id",
+}
+# Result columns published under the public dataset's names.
+RENAMED_RESULT_COLUMNS = {"neuron_cores": "cores", "result": "verdict"}
+# Every other record field that a result column shares its name with comes from the result row.
+SAME_NAMED_RESULT_COLUMNS = [
+    name for name in ResultRecord.model_fields if name in Result.__table__.columns and name not in FROM_JOB
+]
+
+_ARROW_TYPES: list[tuple[type, pa.DataType]] = [
+    (bool, pa.bool_()),  # before int: bool is an int
+    (int, pa.int64()),
+    (float, pa.float64()),
+    (str, pa.string()),  # enums too: they are StrEnums
+    (dt.datetime, pa.timestamp("us", tz="UTC")),
+]
+
+
+def arrow_type(annotation: Any) -> pa.DataType:
+    """The Parquet type of a record field: a width given beside its type, else its type's own."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        python_type, *extras = get_args(annotation)
+        width = next((e for e in extras if isinstance(e, pa.DataType)), None)
+        return arrow_type(python_type) if width is None else width
+    if origin in (Union, types.UnionType):  # optional, or several enums of one type
+        [found, *others] = [arrow_type(a) for a in get_args(annotation) if a is not type(None)]
+        if any(other != found for other in others):
+            raise TypeError(f"{annotation} has no single Parquet type")
+        return found
+    if origin is list:
+        [item] = get_args(annotation)
+        return pa.list_(arrow_type(item))
+    for python_type, arrow in _ARROW_TYPES:
+        if isinstance(annotation, type) and issubclass(annotation, python_type):
+            return arrow
+    raise TypeError(f"no Parquet type for {annotation}")
+
+
+def column_type(field: FieldInfo) -> pa.DataType:
+    # pydantic lifts the Annotated extras of a required field into its metadata; an optional one keeps them.
+    width = next((m for m in field.metadata if isinstance(m, pa.DataType)), None)
+    return arrow_type(field.annotation) if width is None else width
+
+
+RESULT_SCHEMA = pa.schema([(name, column_type(field)) for name, field in ResultRecord.model_fields.items()])
 COLUMNS = RESULT_SCHEMA.names
-EVIDENCE_COLUMNS = COLUMNS[COLUMNS.index("verdict_reason") : COLUMNS.index("judge_rationale") + 1]
 
 
-def record(result: Result, job: Job) -> dict[str, Any]:
-    return {
-        "model_id": job.model_id,
-        "neuronx_cc": job.compiler_version,
-        "library": job.library,
-        "library_version": job.library_version,
-        "neuron_cores": result.cores,
-        "result": result.verdict.value,
-        "schema_version": SCHEMA_VERSION,
-        "revision": job.sha,
-        "task": job.task,
-        "backend": job.backend,
-        "compiler": job.compiler_name,
-        "error_class": result.error_class.value if result.error_class else None,
-        "error_message": result.error_message,
-        "wall_s": result.wall_s,
-        "load_s": result.load_s,
-        "compile_s": result.compile_s,
-        "generate_s": result.generate_s,
-        "peak_memory_bytes": result.peak_memory_bytes,
-        "first_divergence": result.first_divergence,
-        **{key: getattr(result, key) for key in EVIDENCE_COLUMNS},
-        "generated_text": result.generated_text,
-        "reference_text": result.reference_text,
-        "generated_token_ids": result.generated_token_ids,
-        "reference_token_ids": result.reference_token_ids,
-        "host": result.host,
-        "core_range": result.core_range,
-        "visible_cores": result.visible_cores,
-        "torch_version": result.torch_version,
-        "reproduce": result.reproduce,
-        "job_id": job.id,
-        "finished_at": job.finished_at or result.created_at,
-    }
+def record(result: Result, job: Job) -> ResultRecord:
+    return ResultRecord(
+        **{name: getattr(job, attribute) for name, attribute in FROM_JOB.items()},
+        **{name: getattr(result, column) for name, column in RENAMED_RESULT_COLUMNS.items()},
+        **{name: getattr(result, name) for name in SAME_NAMED_RESULT_COLUMNS},
+        schema_version=SCHEMA_VERSION,
+        finished_at=job.finished_at or result.created_at,
+    )
 
 
 def query_results(
@@ -121,7 +161,7 @@ def query_results(
     before_id: int | None = None,
     limit: int | None = None,
     job_ids: list[int] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[ResultRecord]:
     """Newest first, or in the order of ``job_ids`` when given; ``before_id`` is the cursor (the last job id of
     the previous page)."""
     stmt = sa.select(Result, Job).join(Job, Result.job_id == Job.id).order_by(Job.id.desc())
@@ -142,26 +182,26 @@ def query_results(
     rows = [record(r, j) for r, j in session.execute(stmt).all()]
     if job_ids is not None:
         order = {job_id: i for i, job_id in enumerate(job_ids)}
-        rows = sorted(rows, key=lambda r: order[r["job_id"]])[:limit]
+        rows = sorted(rows, key=lambda r: order[r.job_id])[:limit]
     return rows
 
 
-def to_table(records: Sequence[dict[str, Any]]) -> pa.Table:
-    return pa.Table.from_pylist(list(records), schema=RESULT_SCHEMA)
+def to_table(records: Sequence[ResultRecord]) -> pa.Table:
+    return pa.Table.from_pylist([r.model_dump() for r in records], schema=RESULT_SCHEMA)
 
 
-def to_parquet_bytes(records: Sequence[dict[str, Any]]) -> bytes:
+def to_parquet_bytes(records: Sequence[ResultRecord]) -> bytes:
     sink = io.BytesIO()
     pq.write_table(to_table(records), sink)
     return sink.getvalue()
 
 
-def to_csv(records: Sequence[dict[str, Any]]) -> str:
+def to_csv(records: Sequence[ResultRecord]) -> str:
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=COLUMNS)
     writer.writeheader()
     for rec in records:
-        writer.writerow({k: _csv_cell(v) for k, v in rec.items()})
+        writer.writerow({k: _csv_cell(v) for k, v in rec.model_dump().items()})
     return out.getvalue()
 
 

@@ -6,8 +6,6 @@ import contextlib
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, Response, status
-from kombu.exceptions import OperationalError as BrokerError
-from redis.exceptions import RedisError
 
 from services.api.deps import ProducerDep, SessionDep, SettingsDep
 from services.api.schemas import (
@@ -23,7 +21,8 @@ from shared.db.models import Job
 from shared.enums import JobState
 from shared.hub.client import HubUnavailable, ModelNotFound, RevisionNotFound
 from shared.jobs import rules as job_rules
-from shared.jobs.broker import enqueue_job, revoke_job
+from shared.jobs.broker import revoke_job
+from shared.jobs.dispatch import BROKER_ERRORS, QueueUnavailable, commit_and_enqueue
 from shared.jobs.submission import Request, UnsupportedTask, submit_model
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -51,18 +50,13 @@ def submit_jobs(
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
     except (HubUnavailable, job_rules.NoRuntime) as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from exc
-    session.commit()
-    created = [s.job for s in submitted if s.created]
     try:
-        for job in (s.job for s in submitted if s.enqueue):
-            enqueue_job(producer, job.id, job.queue)
-    except (BrokerError, RedisError, OSError) as exc:
-        job_rules.withdraw(session, [j.id for j in created])
-        session.commit()
+        commit_and_enqueue(session, producer, submitted)
+    except QueueUnavailable as exc:
         raise HTTPException(
             status.HTTP_503_SERVICE_UNAVAILABLE, f"the job queue is unavailable, nothing was submitted: {exc}"
         ) from exc
-    if not created:
+    if not any(s.created for s in submitted):
         response.status_code = status.HTTP_200_OK
     return JobsSubmitted(
         jobs=[SubmittedJob(**JobOut.model_validate(s.job).model_dump(), created=s.created) for s in submitted]
@@ -104,6 +98,6 @@ def cancel_job(job_id: int, session: SessionDep, producer: ProducerDep) -> JobOu
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     session.commit()
     # Best effort: the SQL state already stops it, since a delivered message finds the job cancelled.
-    with contextlib.suppress(BrokerError, RedisError, OSError):
+    with contextlib.suppress(*BROKER_ERRORS):
         revoke_job(producer, job_id)
     return JobOut.model_validate(job)

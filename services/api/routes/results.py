@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response
 
@@ -10,7 +10,7 @@ from services.api.deps import SessionDep, SettingsDep
 from services.api.schemas import CompilerVersion, ModelId, ResultPage, error_responses
 from shared.enums import Task, Verdict
 from shared.jobs.sweeps import view_job_ids
-from shared.results.cells import cells, diff
+from shared.results.cells import Axis, CellDiff, diff
 from shared.results.records import query_results, to_csv, to_parquet_bytes
 
 router = APIRouter(prefix="/results", tags=["results"])
@@ -18,18 +18,16 @@ router = APIRouter(prefix="/results", tags=["results"])
 NEXT_CURSOR_HEADER = "X-Next-Cursor"
 
 
-@router.get("/diff", responses=error_responses(422, 503))
+@router.get("/diff", response_model=CellDiff, responses=error_responses(422, 503))
 def diff_results(
     session: SessionDep,
     from_: Annotated[CompilerVersion, Query(alias="from", description="the older version")],
     to: Annotated[CompilerVersion, Query(description="the newer version")],
-    axis: Literal["compiler", "library"] = "compiler",
-) -> dict[str, Any]:
+    axis: Axis = "compiler",
+) -> CellDiff:
     """Models that regressed (PASS → FAIL/ERROR) or were fixed between two compiler or library versions;
     cells whose repeated runs disagree are listed as FLAKY."""
-    by = "compiler" if axis == "compiler" else "library_version"
-    changes = diff(cells(session, **{by: from_}), cells(session, **{by: to}), axis)
-    return {"axis": axis, "from": from_, "to": to, **changes}
+    return diff(session, axis, from_, to)
 
 
 @router.get(
@@ -70,7 +68,7 @@ def list_results(
         limit=limit,
         job_ids=view_job_ids(session, view, task.value if task else None) if view else None,
     )
-    next_cursor = str(rows[-1]["job_id"]) if len(rows) == limit else None
+    next_cursor = str(rows[-1].job_id) if len(rows) == limit else None
     headers = {NEXT_CURSOR_HEADER: next_cursor} if next_cursor else {}
     if format == "csv":
         return Response(to_csv(rows), media_type="text/csv", headers=headers)

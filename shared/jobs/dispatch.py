@@ -1,0 +1,46 @@
+"""Commit, then send, then undo if the broker fails: one unit of work for the API, sweeps and reruns.
+
+A message must never reach a worker before its row does, so rows are committed first; and nothing is kept
+that no worker will ever be told about, so a broker that refuses the messages takes the rows back out.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from sqlalchemy.orm import Session
+
+from shared.db.models import Sweep
+from shared.jobs import rules
+from shared.jobs.broker import BROKER_ERRORS, enqueue_job, request_sweep
+
+
+class QueueUnavailable(RuntimeError):
+    """The broker refused a message; what the message was about was taken back. The text says why."""
+
+
+def commit_and_enqueue(session: Session, producer: Celery, submitted: list[rules.Submitted]) -> None:
+    """Commit the submission, then enqueue each job that waits for a worker.
+
+    When the broker fails, the jobs this submission created (settled ones included) are withdrawn and
+    committed, and QueueUnavailable is raised: the submission keeps nothing. Jobs that already existed stay.
+    """
+    session.commit()
+    try:
+        for s in submitted:
+            if s.enqueue:
+                enqueue_job(producer, s.job.id, s.job.queue)
+    except BROKER_ERRORS as exc:
+        rules.withdraw(session, [s.job.id for s in submitted if s.created])
+        session.commit()
+        raise QueueUnavailable(str(exc)) from exc
+
+
+def commit_and_request_sweep(session: Session, producer: Celery, sweep: Sweep) -> None:
+    """Commit the opened sweep, then ask a control worker to run it; a sweep no worker will run is deleted."""
+    session.commit()
+    try:
+        request_sweep(producer, sweep.id)
+    except BROKER_ERRORS as exc:
+        session.delete(sweep)
+        session.commit()
+        raise QueueUnavailable(str(exc)) from exc
