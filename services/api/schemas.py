@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from shared.contracts import RuntimeInfo
 from shared.enums import ErrorClass, JobState, Task
 from shared.hub.client import MODEL_ID_PATTERN, REVISION_PATTERN, is_model_id, is_revision
 from shared.results.records import ResultRecord
@@ -64,7 +65,9 @@ class JobCreate(BaseModel):
     )
 
 
-class JobOut(BaseModel):
+class JobOut(RuntimeInfo):
+    """A job: what runs it (the runtime identity), where it is, and how it ended."""
+
     model_config = ConfigDict(from_attributes=True)
 
     id: int
@@ -72,15 +75,13 @@ class JobOut(BaseModel):
     revision: str | None
     sha: str
     task: str
-    compiler_name: str
-    compiler_version: str
-    library: str
-    library_version: str
-    backend: str
     cores: int
     queue: str
     state: JobState
-    attempts: int
+    attempts: int = Field(description="deliveries of the accelerator stage")
+    verdict_queue: str | None = Field(description="the verdict queue of the host that ran the accelerator stage")
+    verdict_attempts: int = Field(description="deliveries of the verdict stage")
+    judging_at: dt.datetime | None = Field(description="when the accelerator stage ended and released its cores")
     lease_owner: str | None
     heartbeat_at: dt.datetime | None
     created_at: dt.datetime
@@ -125,17 +126,13 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorBody, "description": reasons[s]} for s in statuses}
 
 
-class WorkerOut(BaseModel):
+class WorkerOut(RuntimeInfo):
+    """A live worker: the runtime it serves, on which host and core group, from which queue."""
+
     model_config = ConfigDict(from_attributes=True)
 
     name: str
     host: str
-    backend: str
-    compiler_name: str
-    compiler_version: str
-    library: str
-    library_version: str
-    torch_version: str
     cores: str
     core_count: int
     queue: str

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
+from celery.utils.log import get_task_logger
 from pydantic import ValidationError
 
 from shared.contracts import RUNNER_MODULE, RunReport, RunRequest
@@ -25,6 +27,8 @@ from shared.enums import ErrorClass, Verdict
 from shared.jobs.rules import job_report
 from shared.processes import describe_exit, die_with_parent, output_tail
 from shared.settings import Settings, child_environment
+
+logger = get_task_logger(__name__)
 
 
 def runner_command(request: RunRequest) -> list[str]:
@@ -53,9 +57,11 @@ def supervise(
         return job_report(job, Verdict.ERROR, error_class, message, core_range=core_range)
 
     request.report.unlink(missing_ok=True)
+    command = runner_command(request)
+    logger.info("starting runner: job %s, %s stage: %s", job.id, request.stage.value, shlex.join(command))
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            runner_command(request),
+            command,
             env=child_environment(settings, pin_environment(job.backend, group) if group else {}, secrets),
             stdin=subprocess.DEVNULL,
             stdout=log,

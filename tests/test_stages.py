@@ -1,0 +1,141 @@
+"""A job's two stages with real processes: the accelerator stage frees its cores before the verdict stage
+runs on the host's CPUs, and a verdict stage lost with its worker is retried from the saved artifacts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import psutil
+
+from tests.conftest import wait_for_job
+from tests.test_pipeline import FINISHED, result_rows, submit
+
+
+def stage_runner(worker: Any, job_id: int, stage: str, timeout: float = 120) -> psutil.Process:
+    """The runner process a worker started for one stage of a job."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in psutil.Process(worker.proc.pid).children(recursive=True):
+            try:
+                cmd = child.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            if "services.runner" not in cmd or "--stage" not in cmd:
+                continue
+            if cmd[cmd.index("--artifacts") + 1].endswith(f"/job-{job_id}") and cmd[cmd.index("--stage") + 1] == stage:
+                return child
+        time.sleep(0.1)
+    raise AssertionError(f"no {stage} runner for job {job_id}")
+
+
+def runner_starts(worker: Any, job_id: int, stage: str) -> int:
+    """How many runners a worker started for one stage of a job, from its log."""
+    return len(re.findall(rf"starting runner: job {job_id}, {stage} stage", worker.log.read_text(errors="replace")))
+
+
+@contextmanager
+def frozen(runner: psutil.Process) -> Iterator[None]:
+    """Stop a runner and its children (its own process group) until the block ends."""
+    os.killpg(runner.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with suppress(ProcessLookupError):  # gone, if the block killed it
+            os.killpg(runner.pid, signal.SIGCONT)
+
+
+def test_the_core_group_takes_the_next_job_while_the_first_is_judged(
+    api: Any, worker: Any, verdict_worker: Any
+) -> None:
+    [first] = submit(api, "stage/tiny-llama")
+    wait_for_job(api, first["id"], {"judging"})
+    with frozen(stage_runner(verdict_worker, first["id"], "verdict")):
+        # The first job's verdict stage is still running; w-main's only core group is free again.
+        [second] = submit(api, "stage/tiny-qwen3")
+        judged = wait_for_job(api, second["id"], {"judging"})  # its accelerator stage ran on core 0
+        assert judged["lease_owner"] is None and judged["attempts"] == 1
+        assert judged["verdict_queue"] == first_queue(api, first["id"])
+        assert api.get(f"/jobs/{first['id']}").json()["state"] == "judging"
+    for job in (first, second):
+        done = wait_for_job(api, job["id"], FINISHED)
+        assert done["state"] == "done" and done["attempts"] == 1 and done["verdict_attempts"] == 1
+        [row] = result_rows(api, model_id=job["model_id"])
+        assert row["result"] == "PASS" and row["core_range"] == "0" and row["visible_cores"] == "0"
+        assert runner_starts(worker, job["id"], "accelerator") == 1
+        assert runner_starts(verdict_worker, job["id"], "verdict") == 1
+
+
+def first_queue(api: Any, job_id: int) -> str:
+    return str(api.get(f"/jobs/{job_id}").json()["verdict_queue"])
+
+
+def test_a_verdict_worker_killed_mid_stage_is_retried_from_the_artifacts_once(
+    api: Any, worker: Any, verdict_worker: Any
+) -> None:
+    """The lonely case: one job, nothing else queued, default lease timeout."""
+    [job] = submit(api, "stage/tiny-gpt2")
+    wait_for_job(api, job["id"], {"judging"})
+    runner = stage_runner(verdict_worker, job["id"], "verdict")
+    pool_child = runner.parent()
+    assert pool_child is not None and pool_child.pid != verdict_worker.proc.pid
+    with frozen(runner):
+        pool_child.kill()  # the verdict worker's process that runs the stage dies mid-stage
+    psutil.wait_procs([runner], timeout=30)
+    assert not runner.is_running() or runner.status() == psutil.STATUS_ZOMBIE  # it died with its worker
+    done = wait_for_job(api, job["id"], FINISHED, timeout=120)
+    assert done["state"] == "done", done
+    assert done["attempts"] == 1 and done["verdict_attempts"] == 2  # redelivered, taken over from the dead owner
+    [row] = result_rows(api, model_id="stage/tiny-gpt2")
+    assert row["result"] == "PASS"
+    # the accelerator stage ran once; the verdict stage twice, from the same artifacts
+    assert runner_starts(worker, job["id"], "accelerator") == 1
+    assert runner_starts(verdict_worker, job["id"], "verdict") == 2
+    assert verdict_worker.proc.poll() is None
+
+
+def secrets_in(runner: psutil.Process, secrets: list[str]) -> list[str]:
+    """Which of ``secrets`` (and which connection settings) a runner and its children were given."""
+    found = []
+    for process in [runner, *runner.children(recursive=True)]:
+        env = process.environ()
+        found += [k for k in ("SUPPORTMATRIX_DATABASE_URL", "SUPPORTMATRIX_REDIS_URL") if k in env]
+        found += [s for s in secrets if any(s in v for v in env.values())]
+    return found
+
+
+def test_a_hosts_verdict_stage_runs_there_and_only_the_judge_holds_its_token(api: Any, start_worker: Any) -> None:
+    from tests.test_judges import ChatEndpoint
+
+    endpoint = ChatEndpoint()
+    secrets = {"SUPPORTMATRIX_JUDGE_TOKEN": "judge-secret", "SUPPORTMATRIX_PUBLISH_TOKEN": "hf_publish_secret",
+               "HF_TOKEN": "hf_read_secret"}  # fmt: skip
+    host = {"SUPPORTMATRIX_HOST_NAME": "judgehost", "SUPPORTMATRIX_JUDGE_KIND": "openai",
+            "SUPPORTMATRIX_JUDGE_URL": endpoint.url, "SUPPORTMATRIX_JUDGE_MODEL": "judge-model", **secrets}  # fmt: skip
+    accelerators = start_worker("w-judgehost", "0-1", SUPPORTMATRIX_CPU_COMPILE_BACKEND="eager", **host)
+    verdicts = start_worker("v-judgehost", None, **host)
+    try:
+        [job] = submit(api, "stage/tiny-llama", cores=2, compilers=["eager-2.13.0+cpu"])
+        runner = stage_runner(accelerators, job["id"], "accelerator")
+        with frozen(runner):
+            assert secrets_in(runner, list(secrets.values())) == []
+        judging = wait_for_job(api, job["id"], {"judging"})
+        assert judging["verdict_queue"] == "supportmatrix.verdict.judgehost"  # the host that holds the artifacts
+        runner = stage_runner(verdicts, job["id"], "verdict")
+        with frozen(runner):  # the process that loads the tested checkpoint on the CPU
+            assert secrets_in(runner, list(secrets.values())) == []
+        done = wait_for_job(api, job["id"], FINISHED)
+        assert done["state"] == "done" and done["lease_owner"].startswith("v-judgehost@judgehost:")
+        [row] = [r for r in result_rows(api, model_id="stage/tiny-llama") if r["job_id"] == job["id"]]
+        assert row["result"] == "PASS" and row["neuron_cores"] == 2 and row["parallelism"] == "tp"
+        assert row["judge_kind"] == "openai" and row["judge_model"] == "judge-model"
+        # the judge stage, a process of its own that loads no checkpoint, is the one that held the token
+        assert [r["auth"] for r in endpoint.requests] == ["Bearer judge-secret"] * 2
+        assert runner_starts(verdicts, job["id"], "judge") == 1
+    finally:
+        endpoint.server.shutdown()
