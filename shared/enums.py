@@ -52,6 +52,7 @@ class ErrorClass(StrEnum):
     timeout = "timeout"  # the runner ran past its hard limit
     crash = "crash"  # a runner process died without a report (signal, abort)
     worker_lost = "worker_lost"  # delivered max_attempts times without finishing
+    no_worker = "no_worker"  # its queue had no live worker for longer than the configured wait
     unsupported_parallelism = "unsupported_parallelism"  # must be sharded, but has no plan that fits
     too_large = "too_large"  # needs more than 16 cores: SKIPPED at submission
     unsizable = "unsizable"  # neither safetensors metadata nor file sizes tell its size

@@ -88,6 +88,9 @@ class Job(RuntimeIdentity, Base):
     verdict_queue: Mapped[str | None] = mapped_column(sa.String(200))
     verdict_attempts: Mapped[int] = mapped_column(default=0, server_default="0")
     judging_at: Mapped[dt.datetime | None]  # the accelerator stage ended and the cores were released
+    enqueued_at: Mapped[dt.datetime | None]  # the last time a message was sent for it (the reconciler re-sends)
+    # Every delivery that took the lease: owner, stage, start, and how it ended — what ERROR(worker_lost) lists.
+    attempt_log: Mapped[list[dict[str, Any]]] = mapped_column(sa.JSON, default=list, server_default="[]")
     lease_owner: Mapped[str | None] = mapped_column(sa.String(200))
     heartbeat_at: Mapped[dt.datetime | None]
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
@@ -175,6 +178,16 @@ class Worker(RuntimeIdentity, Base):
     queue: Mapped[str] = mapped_column(sa.String(200))
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class QueueSeen(Base):
+    """When each job queue last had a live worker: a queue nobody has served for too long ends its jobs
+    ERROR(no_worker) instead of letting them wait forever."""
+
+    __tablename__ = "queues_seen"
+
+    queue: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
+    last_live_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
 class Sweep(Base):
