@@ -70,3 +70,17 @@ def test_a_child_environment_holds_only_the_secrets_it_is_given(monkeypatch: pyt
     assert env["HF_ENDPOINT"] == os.environ["HF_ENDPOINT"]  # the Hub (stand-in) it downloads from
     judged = child_environment(settings, {}, {"SUPPORTMATRIX_JUDGE_TOKEN": settings.judge_token or ""})
     assert judged["SUPPORTMATRIX_JUDGE_TOKEN"] == "judge-secret" and "SUPPORTMATRIX_DATABASE_URL" not in judged
+
+
+def test_the_readmes_layout_table_matches_the_tree() -> None:
+    """Every path the layout table names exists, and every package of services/ and shared/ is named."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("### Layout") : text.index("### How a job runs")]
+    named = [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")]
+    assert named and [p for p in named if not (ROOT / p).exists()] == []
+    packages = [
+        f"{path.parent.relative_to(ROOT).as_posix()}/"
+        for top in ("services", "shared")
+        for path in (ROOT / top).glob("*/__init__.py")
+    ]
+    assert sorted(p for p in packages if p not in named) == []

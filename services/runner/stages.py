@@ -110,13 +110,7 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
         ranks = run_ranks(spec, AcceleratorData, env, _timeout(request, backend), artifacts.root)
     except RunFailure as failure:
         too_large = failure.error_class == ErrorClass.too_large
-        return report.model_copy(
-            update={
-                "verdict": Verdict.SKIPPED if too_large else Verdict.ERROR,
-                "error_class": failure.error_class,
-                "error_message": failure.message,
-            }
-        )
+        return failed(report, failure, Verdict.SKIPPED if too_large else Verdict.ERROR)
     data = ranks[0]
     data.peak_memory_bytes = max(r.peak_memory_bytes for r in ranks)
     assert data.runtime is not None
@@ -205,10 +199,7 @@ def verdict_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -
             acc.report.model_copy(update={"reference_reused": reused}), acc.data, found, artifacts, acc.dtype
         )
     except RunFailure as failure:
-        failed = acc.report.model_copy(
-            update={"verdict": Verdict.ERROR, "error_class": failure.error_class, "error_message": failure.message}
-        )
-        output = VerdictOutput(report=failed, dtype=acc.dtype)
+        output = VerdictOutput(report=failed(acc.report, failure), dtype=acc.dtype)
     else:
         output = VerdictOutput(
             report=report,
@@ -240,11 +231,11 @@ def judge_stage(settings: Settings, artifacts: Artifacts) -> RunReport:
                 report.reference_loglik or 0.0,
             )
     except RunFailure as failure:
-        return report.model_copy(
-            update={
-                "verdict": Verdict.ERROR,
-                "error_class": failure.error_class,
-                "error_message": f"judge: {failure.message}",
-            }
-        )
+        return failed(report, failure, prefix="judge: ")
     return output.judged(judge)
+
+
+def failed(report: RunReport, failure: RunFailure, verdict: Verdict = Verdict.ERROR, prefix: str = "") -> RunReport:
+    """The report of a stage that ended with ``failure``: its class and message."""
+    update = {"verdict": verdict, "error_class": failure.error_class, "error_message": prefix + failure.message}
+    return report.model_copy(update=update)

@@ -79,6 +79,20 @@ def _lease_keeper(job_id: int, owner: str) -> Any:
     return keep_lease
 
 
+def _stage_request(job: Job, stage: Stage, artifacts: Artifacts, core_range: str | None = None) -> RunRequest:
+    return RunRequest(
+        model_id=job.model_id,
+        revision=job.sha,
+        backend=job.backend,
+        task=job.task,
+        cores=job.cores,
+        core_range=core_range,
+        stage=stage,
+        artifacts=artifacts.root,
+        report=artifacts.root / f"{stage.value}-report.json",
+    )
+
+
 @app.task(name=RUN_JOB_TASK, bind=True)
 def run_job(self: Any, job_id: int) -> str:
     """The accelerator stage, on this worker's core group."""
@@ -91,19 +105,9 @@ def run_job(self: Any, job_id: int) -> str:
     artifacts = Artifacts(artifact_dir(settings, job_id))
     shutil.rmtree(artifacts.root, ignore_errors=True)  # a previous, lost attempt's files
     artifacts.root.mkdir(parents=True)
-    request = RunRequest(
-        model_id=job.model_id,
-        revision=job.sha,
-        backend=job.backend,
-        task=job.task,
-        cores=job.cores,
-        core_range=str(group),
-        stage=Stage.accelerator,
-        artifacts=artifacts.root,
-        report=artifacts.root / "accelerator-report.json",
-    )
     token = hub_token()
     secrets = {"HF_TOKEN": token} if job.gated and token else None
+    request = _stage_request(job, Stage.accelerator, artifacts, core_range=str(group))
     report = supervise(request, job, settings, _lease_keeper(job_id, owner), group, secrets)
     if report is None:
         shutil.rmtree(artifacts.root, ignore_errors=True)
@@ -131,33 +135,21 @@ def judge_job(self: Any, job_id: int) -> str:
     artifacts = Artifacts(artifact_dir(settings, job_id))
     if not artifacts.accelerator.exists():
         message = f"the accelerator stage's artifacts are missing from {artifacts.root} on {settings.host_name}"
-        return _write_result(
-            job_id, owner, job_report(job, Verdict.ERROR, ErrorClass.internal, message), artifacts, settings
-        )
+        report = job_report(job, Verdict.ERROR, ErrorClass.internal, message)
+        return _write_result(job_id, owner, report, artifacts, settings)
     _hand_over_stored_reference(artifacts)
-    request = RunRequest(
-        model_id=job.model_id,
-        revision=job.sha,
-        backend=job.backend,
-        task=job.task,
-        cores=job.cores,
-        stage=Stage.verdict,
-        artifacts=artifacts.root,
-        report=artifacts.root / "verdict-report.json",
-    )
     keep_lease = _lease_keeper(job_id, owner)
-    report = supervise(request, job, settings, keep_lease, None)
+    report = supervise(_stage_request(job, Stage.verdict, artifacts), job, settings, keep_lease, None)
     output = VerdictOutput.model_validate_json(artifacts.verdict.read_text()) if artifacts.verdict.exists() else None
     if output is not None and output.new_reference is not None:
         blob = artifacts.reference_prefill.read_bytes() if artifacts.reference_prefill.exists() else None
         with session_scope() as session:
             references.store(session, output.new_reference, blob)
     if report is not None and output is not None and output.judge_needed and report.verdict != Verdict.ERROR:
-        judge_request = request.model_copy(
-            update={"stage": Stage.judge, "report": artifacts.root / "judge-report.json"}
-        )
+        # The judge's token goes to this process alone: it loads no tested checkpoint.
         secrets = {"SUPPORTMATRIX_JUDGE_TOKEN": settings.judge_token} if settings.judge_token else None
-        report = supervise(judge_request, job, settings, keep_lease, None, secrets)
+        request = _stage_request(job, Stage.judge, artifacts)
+        report = supervise(request, job, settings, keep_lease, None, secrets)
     if report is None:
         shutil.rmtree(artifacts.root, ignore_errors=True)
         return "lease lost: cancelled or taken over; nothing written"

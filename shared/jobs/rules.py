@@ -15,6 +15,7 @@ from importlib import metadata
 from typing import Any
 
 import sqlalchemy as sa
+from pydantic import BaseModel
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -204,6 +205,7 @@ def cancel(session: Session, job_id: int) -> Job:
         raise JobFinished(f"job {job_id} already finished ({job.state.value})")
     job.state = JobState.cancelled
     job.finished_at = utcnow()
+    _end_attempts(job, "cancelled")
     return job
 
 
@@ -250,6 +252,30 @@ STAGE_RULES = {
 }
 
 
+class Attempt(BaseModel):
+    """One delivery that took a job's lease, as the job's ``attempt_log`` keeps it."""
+
+    stage: Stage
+    owner: str
+    started_at: dt.datetime
+    ended: str | None = None  # how it ended; None while it runs
+
+
+def attempts(job: Job) -> list[Attempt]:
+    return [Attempt.model_validate(a) for a in job.attempt_log or []]
+
+
+def _end_attempts(job: Job, how: str, new: Attempt | None = None) -> list[Attempt]:
+    """Close the job's open attempt with ``how`` (and open ``new``); returns the whole log."""
+    log = attempts(job)
+    for attempt in log:
+        if attempt.ended is None:
+            attempt.ended = how
+    log += [new] if new else []
+    job.attempt_log = [a.model_dump(mode="json") for a in log]
+    return log
+
+
 def acquire_lease(
     session: Session,
     job_id: int,
@@ -268,6 +294,8 @@ def acquire_lease(
     """
     rules = STAGE_RULES[stage]
     now = utcnow()
+    previous = session.scalar(sa.select(Job.lease_owner).where(Job.id == job_id))
+    lost = "lost: its process died" if previous and previous == dead_owner else "lost: its lease lapsed"
     stale = now - dt.timedelta(seconds=settings.lease_timeout_s)
     lapsed = sa.or_(Job.heartbeat_at < stale, Job.lease_owner == dead_owner) if dead_owner else Job.heartbeat_at < stale
     fresh_start = Job.state == rules.waiting
@@ -283,9 +311,11 @@ def acquire_lease(
     if exhausted:
         job = session.get(Job, job_id, populate_existing=True)
         assert job is not None
+        log = _end_attempts(job, lost)
+        listed = "; ".join(f"{a.owner} ({a.stage.value}, {a.started_at:%Y-%m-%d %H:%M:%S}): {a.ended}" for a in log)
         message = (
             f"the {stage.value} stage was delivered {settings.max_attempts} times without finishing; "
-            "the workers running it were lost"
+            f"the workers running it were lost. Attempts: {listed}"
         )
         finish(session, job_id, owner, job_report(job, Verdict.ERROR, ErrorClass.worker_lost, message))
         return Claim.gone, None
@@ -304,6 +334,9 @@ def acquire_lease(
     ).rowcount
     job = session.get(Job, job_id, populate_existing=True)
     if taken:
+        assert job is not None
+        _end_attempts(job, lost, Attempt(stage=stage, owner=owner, started_at=now))
+        session.flush()
         return Claim.taken, job
     held = job is not None and job.state == rules.running and job.lease_owner is not None
     return (Claim.held if held else Claim.gone), job
@@ -325,7 +358,7 @@ def release_for_verdict(session: Session, job_id: int, owner: str, verdict_queue
     """The accelerator stage is done: running → judging, the lease and the cores released; the verdict stage
     will be taken from ``verdict_queue`` (the queue of the host that holds the artifacts)."""
     now = utcnow()
-    return bool(
+    released = bool(
         session.execute(
             sa.update(Job)
             .where(Job.id == job_id, Job.lease_owner == owner, Job.state == JobState.running)
@@ -340,12 +373,25 @@ def release_for_verdict(session: Session, job_id: int, owner: str, verdict_queue
             .execution_options(synchronize_session=False)
         ).rowcount
     )
+    if released:
+        _end_job_attempt(session, job_id, "done: released its cores for the verdict stage")
+    return released
+
+
+def _end_job_attempt(session: Session, job_id: int, how: str) -> None:
+    job = session.get(Job, job_id, populate_existing=True)
+    assert job is not None
+    _end_attempts(job, how)
+    session.flush()
 
 
 def finish(session: Session, job_id: int, owner: str, report: RunReport) -> bool:
     """Write the result of a job we hold; False (nothing written) when the lease is no longer ours."""
     held = sa.and_(Job.lease_owner == owner, Job.state.in_(ACTIVE_STATES))
-    return _close(session, job_id, held, report)
+    written = _close(session, job_id, held, report)
+    if written:
+        _end_job_attempt(session, job_id, f"done: wrote the result ({report.verdict})")
+    return written
 
 
 def settle(session: Session, job: Job, verdict: Verdict, error_class: ErrorClass, reason: str) -> None:
