@@ -2,8 +2,9 @@
 
 Uses the Redis that answers at the configured URL or starts one, SQLite under .data/demo, starts the API
 (uvicorn), one job worker and a collector, builds tiny checkpoints and serves them through the local Hub
-stand-in, submits them with POST /jobs, shows progress, prints the results table and the Parquet path,
-then stops everything it started. Exit status 0 when every model ends PASS.
+stand-in, creates an admin token (`python -m services.api.tokens create`), submits the models with it
+through POST /jobs, shows progress, prints the results table and the Parquet path, then stops everything
+it started. Exit status 0 when every model ends PASS.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         from shared.db.migrate import upgrade
 
         upgrade()
+        step("an admin token for the demo's POSTs: python -m services.api.tokens create demo --scope admin")
+        token = create_token("demo")
 
         step("building tiny checkpoints")
         from testing.hub_standin import HubStandin
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ids = {}
         for model in DEMO_MODELS:
-            response = post(api, "/jobs", {"model_id": f"demo/{model}"})
+            response = post(api, "/jobs", {"model_id": f"demo/{model}"}, token)
             ids[f"demo/{model}"] = response["jobs"][0]["id"]
         step(f"submitted {len(ids)} jobs; waiting (logs in {logs})")
         states = follow(api, ids, args.timeout, time.monotonic())
@@ -152,10 +155,16 @@ def get(api: str, path: str, params: dict[str, Any] | None = None, ok: bool = Fa
     return response.json()
 
 
-def post(api: str, path: str, body: dict[str, Any]) -> Any:
+def create_token(name: str) -> str:
+    """A token made as an operator makes one: the command prints it on stdout, once."""
+    command = [sys.executable, "-m", "services.api.tokens", "create", name, "--scope", "admin"]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def post(api: str, path: str, body: dict[str, Any], token: str) -> Any:
     import httpx
 
-    response = httpx.post(api + path, json=body, timeout=60)
+    response = httpx.post(api + path, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=60)
     if response.status_code >= 400:
         raise SystemExit(f"POST {path} {body} → {response.status_code}: {response.text}")
     return response.json()

@@ -52,6 +52,7 @@ class RunRequest(BaseModel):
     backend: BackendName | None = Field(None, description="default: SUPPORTMATRIX_BACKEND")
     task: Task = Field(Task.text_generation, description="what is run and how it is compared")
     cores: Literal[1, 2, 4, 8, 16] | None = Field(None, description="shard over this many cores (default: sized)")
+    trust_remote_code: bool = Field(False, description="run the repo's own code (its *.py), at the pinned commit")
     core_range: str | None = Field(None, description="the cores this run is pinned to, recorded as provenance")
     stage: Stage = Field(Stage.full, description="the whole test, or one stage of a job")
     artifacts: Path | None = Field(None, description="the job's artifact directory, where its stages hand over")
@@ -60,7 +61,7 @@ class RunRequest(BaseModel):
 
     # What a person needs to run the same test again; the rest says where this run's files go.
     REPRODUCIBLE: typing.ClassVar[frozenset[str]] = frozenset(
-        {"model_id", "revision", "local_dir", "backend", "task", "cores"}
+        {"model_id", "revision", "local_dir", "backend", "task", "cores", "trust_remote_code"}
     )
 
     def to_argv(self) -> list[str]:
@@ -69,6 +70,9 @@ class RunRequest(BaseModel):
         for name, field in type(self).model_fields.items():
             value = getattr(self, name)
             if name == "model_id" or value == field.default:
+                continue
+            if isinstance(value, bool):  # a switch: present means True
+                argv.append(_flag(name))
                 continue
             argv += [_flag(name), str(value.value if isinstance(value, Enum) else value)]
         return argv
@@ -85,6 +89,9 @@ class RunRequest(BaseModel):
         for name, field in cls.model_fields.items():
             if name == "model_id":
                 parser.add_argument("model_id", metavar="MODEL_ID", help=field.description)
+                continue
+            if field.annotation is bool:
+                parser.add_argument(_flag(name), dest=name, action="store_true", help=field.description)
                 continue
             choices = _choices(field.annotation)
             parser.add_argument(

@@ -35,6 +35,17 @@ class Settings(BaseSettings):
     lease_timeout_s: float = Field(120.0, gt=0, description="A running job whose heartbeat is older is stale.")
     max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it ends ERROR(worker_lost).")
     worker_stale_s: float = Field(60.0, gt=0, description="A worker whose heartbeat is older is not live.")
+    # The reconciler (on the locked beat scheduler): SQL is the truth, the broker only a delivery. Every
+    # reconcile_every_s it re-sends jobs queued longer than queue_grace_s since their last message and jobs
+    # whose lease lapsed, and ends ERROR(no_worker) the jobs of a queue no live worker served for
+    # no_worker_after_s.
+    reconcile_every_s: float = Field(15.0, gt=0, le=30)
+    queue_grace_s: float = Field(60.0, gt=0)
+    no_worker_after_s: float = Field(900.0, gt=0)
+    sweep_lease_s: float = Field(900.0, gt=0, description="A running sweep not finished after this is re-sent.")
+    # Redis re-delivers an unacknowledged message after this; a backstop only, since the reconciler re-sends
+    # lost jobs after the lease timeout. None: job_timeout_s + 10 * lease_timeout_s.
+    visibility_timeout_s: float | None = Field(None, gt=0)
 
     # Cores and their memory: a host has host_cores (on cpu a count that may exceed the real CPUs);
     # core_memory_gib is one core's memory, default per backend (24 GiB on trn2 at LNC=2).
@@ -83,6 +94,19 @@ class Settings(BaseSettings):
 
     api_max_body_bytes: int = Field(65536, gt=0)
     page_limit_max: int = Field(1000, gt=0)
+
+    # The API's write routes. Each token may make api_rate_limit requests in any api_rate_window_s seconds,
+    # counted in Redis so that the limit holds across API processes.
+    api_rate_limit: int = Field(60, ge=1, description="write requests per token per window")
+    api_rate_window_s: int = Field(60, ge=1)
+    # Submissions wait on the Hub: each API process runs at most api_hub_lookups of them at once, in threads
+    # of their own; one that finds no free slot within api_hub_wait_s is answered 503. Every Hub call the API
+    # makes gives up after hub_timeout_s; model_info answers are kept hub_info_cache_s per (model, revision).
+    api_hub_lookups: int = Field(8, ge=1, le=64)
+    api_hub_wait_s: float = Field(5.0, ge=0)
+    hub_timeout_s: float = Field(5.0, gt=0)
+    hub_info_cache_s: float = Field(300.0, ge=0)
+    api_retry_after_s: int = Field(5, ge=1, description="the Retry-After of a 503 (a dependency is down)")
 
     @model_validator(mode="after")
     def _fill_derived_paths(self) -> Settings:

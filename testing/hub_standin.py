@@ -290,7 +290,13 @@ class _Handler(BaseHTTPRequestHandler):
             "trendingScore": repo.meta.get("trendingScore", 0),
             "library_name": "transformers",
             "pipeline_tag": repo.meta.get("pipeline_tag", "text-generation" if causal else None),
-            "tags": ["transformers", "safetensors", config.get("model_type", "unknown"), *repo.meta.get("tags", [])],
+            "tags": [
+                "transformers",
+                "safetensors",
+                config.get("model_type", "unknown"),
+                *(["custom_code"] if "auto_map" in config else []),  # as the Hub tags trust_remote_code repos
+                *repo.meta.get("tags", []),
+            ],
             "config": config,
             "siblings": [{"rfilename": f.path} for f in files],
             "safetensors": repo.meta.get("safetensors") or repo.safetensors(files),

@@ -4,6 +4,10 @@ Each is `save_pretrained` of a small config (hidden 64, 2 layers, 4 heads) with 
 tokenizer trained by the `tokenizers` library, so that from_pretrained runs its real code on them.
 Weights are widened (std 0.1) so greedy decoding of a random model has few near-ties, and the saved
 generation config never stops early: every run generates its full 32 tokens.
+
+Two checkpoints carry code of their own (trust_remote_code: their config's ``auto_map`` names classes in
+the repo's ``*.py``): ``tiny-custom``, a Llama under another name, and ``tiny-poison``, whose modeling code
+kills the worker process that started its runner — an untrusted repo at its worst.
 """
 
 from __future__ import annotations
@@ -103,6 +107,68 @@ MODELS: dict[str, tuple[Callable[[], Any], str]] = {
 }
 
 
+CUSTOM_CONFIG_CODE = """\
+from transformers import LlamaConfig
+
+
+class CustomLlamaConfig(LlamaConfig):
+    model_type = "custom_llama"
+"""
+CUSTOM_MODELING_CODE = """\
+from transformers import LlamaForCausalLM
+
+from .configuration_custom import CustomLlamaConfig
+
+
+class CustomLlamaForCausalLM(LlamaForCausalLM):
+    config_class = CustomLlamaConfig
+"""
+# Loading this model kills the worker (the runner's parent) that runs it; outside a worker it does nothing.
+POISON_CODE = """\
+import os
+import signal
+from pathlib import Path
+
+
+def _parent(pid):
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+_worker = _parent(os.getppid())  # this rank's parent is the runner; the runner's parent, the worker
+if b"services.worker" in Path(f"/proc/{_worker}/cmdline").read_bytes():
+    os.kill(_worker, signal.SIGKILL)
+"""
+CODE_MODELS = {"tiny-custom": "", "tiny-poison": POISON_CODE}
+
+
+def build_code_models(out_dir: Path) -> list[Path]:
+    """The checkpoints with code of their own, made from tiny-llama."""
+    import json
+    import shutil
+
+    built = []
+    for name, extra in CODE_MODELS.items():
+        target = out_dir / name
+        if not target.exists():
+            tmp = out_dir / f".{name}.tmp"
+            shutil.copytree(out_dir / "tiny-llama", tmp)
+            config = json.loads((tmp / "config.json").read_text())
+            config |= {
+                "model_type": "custom_llama",
+                "architectures": ["CustomLlamaForCausalLM"],
+                "auto_map": {
+                    "AutoConfig": "configuration_custom.CustomLlamaConfig",
+                    "AutoModelForCausalLM": "modeling_custom.CustomLlamaForCausalLM",
+                },
+            }
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            (tmp / "configuration_custom.py").write_text(CUSTOM_CONFIG_CODE)
+            (tmp / "modeling_custom.py").write_text(extra + CUSTOM_MODELING_CODE)
+            tmp.rename(target)
+        built.append(target)
+    return built
+
+
 def build(out_dir: Path, names: list[str] | None = None) -> list[Path]:
     import torch
     import transformers
@@ -132,6 +198,8 @@ def build(out_dir: Path, names: list[str] | None = None) -> list[Path]:
         tokenizer.save_pretrained(tmp)
         tmp.rename(target)
         built.append(target)
+    if names is None:
+        built += build_code_models(out_dir)
     return built
 
 

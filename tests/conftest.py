@@ -144,11 +144,17 @@ def hub(tiny_models: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def api(hub: Any) -> Iterator[Any]:
+    """The API, as a client holding an admin token (made by the token rules, in the test database)."""
     from fastapi.testclient import TestClient
 
     from services.api.main import app
+    from shared.auth.scopes import Scope
+    from shared.auth.tokens import create_token
+    from shared.db.engine import session_scope
 
-    with TestClient(app) as client:
+    with session_scope() as session:
+        token = create_token(session, f"suite-{uuid.uuid4().hex[:8]}", Scope.admin)
+    with TestClient(app, headers={"Authorization": f"Bearer {token}"}) as client:
         yield client
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import io
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pandas as pd
 import pytest
+from sqlalchemy.orm import Session
 
 from shared.contracts import RunReport, RuntimeInfo
 from shared.db.engine import session_scope
@@ -102,6 +104,28 @@ def test_health_says_which_dependency_is_down(api: Any) -> None:
     assert down.status_code == 503 and down.json()["database"] == "ok" and "Error" in down.json()["redis"]
 
 
+def test_a_database_outage_is_a_503_with_retry_after_and_without_the_databases_words(api: Any) -> None:
+    from services.api.deps import get_session
+    from shared.db.engine import make_engine
+
+    dead = make_engine("postgresql+psycopg://postgres@127.0.0.1:1/none")
+
+    def dead_session() -> Iterator[Session]:
+        with Session(dead) as session:
+            yield session
+
+    api.app.dependency_overrides[get_session] = dead_session
+    try:
+        answers = [api.get("/jobs"), api.get("/results"), api.post("/jobs", json={"model_id": "org/tiny-llama"})]
+    finally:
+        api.app.dependency_overrides.pop(get_session)
+        dead.dispose()
+    for response in answers:
+        assert response.status_code == 503 and int(response.headers["retry-after"]) > 0
+        assert response.json() == {"detail": "the database is unavailable"}
+        assert not any(word in response.text for word in ("127.0.0.1", "postgres", "psycopg", "connection"))
+
+
 def test_metrics_count_jobs_and_results_with_the_shared_codes(api: Any, org: str) -> None:
     text = api.get("/metrics").text
     assert 'supportmatrix_jobs{state="done"}' in text
@@ -110,8 +134,22 @@ def test_metrics_count_jobs_and_results_with_the_shared_codes(api: Any, org: str
 
 def test_openapi_documents_every_status_each_route_returns(api: Any) -> None:
     paths = api.get("/openapi.json").json()["paths"]
-    assert set(paths["/jobs"]["post"]["responses"]) == {"200", "202", "404", "413", "422", "503"}
-    assert set(paths["/jobs/{job_id}"]["delete"]["responses"]) == {"200", "404", "409", "422", "503"}
+    assert set(paths["/jobs"]["post"]["responses"]) == {
+        "200",
+        "202",
+        "400",
+        "401",
+        "403",
+        "404",
+        "413",
+        "422",
+        "429",
+        "503",
+    }
+    assert set(paths["/jobs/{job_id}"]["delete"]["responses"]) == {"200", "401", "404", "409", "422", "429", "503"}
+    assert set(paths["/sweeps"]["post"]["responses"]) == {"202", "401", "403", "429", "503"}
+    assert "Retry-After" in paths["/jobs"]["post"]["responses"]["429"]["headers"]
+    assert "security" in paths["/jobs"]["post"] and "security" not in paths["/jobs"]["get"]
     assert set(paths["/results"]["get"]["responses"]) == {"200", "422", "503"}
     assert set(paths["/healthz"]["get"]["responses"]) == {"200", "503"}
     assert "pattern" in str(paths["/jobs"]["get"]["parameters"])

@@ -37,6 +37,8 @@ def test_the_host_replans_when_a_two_core_job_arrives_and_after_it_is_done(api: 
     launcher = HostLauncher(get_settings(), total_cores=2)
     try:
         step_until(launcher, lambda: registered() == {"0", "1"}, "two 1-core workers")
+        # beside the core groups, the host's verdict-stage workers (SUPPORTMATRIX_VERDICT_WORKERS, default 1)
+        assert len(launcher.verdict_workers) == 1 and launcher.verdict_workers[0].poll() is None
         [job] = submit(api, "host/tiny-qwen3", cores=2)
         # the 1-core workers drain (warm shutdown) before their cores form the 2-core group
         step_until(launcher, lambda: registered() == {"0-1"}, "one 2-core worker")
@@ -47,4 +49,4 @@ def test_the_host_replans_when_a_two_core_job_arrives_and_after_it_is_done(api: 
         step_until(launcher, lambda: registered() == {"0", "1"}, "back to two 1-core workers")
     finally:
         launcher.stop()
-    assert registered() == set()
+    assert registered() == set() and all(p.poll() is not None for p in launcher.verdict_workers)

@@ -20,10 +20,10 @@ from shared.settings import inherited_environment
 from tests.conftest import ROOT, RUN_DIR
 
 
-def run_runner(*args: str, **env: str) -> tuple[int, dict[str, Any]]:
+def run_runner(*args: str, cwd: Path = ROOT, **env: str) -> tuple[int, dict[str, Any]]:
     proc = subprocess.run(
         [sys.executable, "-m", "services.runner", *args],
-        cwd=ROOT,
+        cwd=cwd,
         env={**os.environ, **env},
         capture_output=True,
         text=True,

@@ -15,7 +15,7 @@ from shared.db.engine import make_engine
 from shared.db.migrate import alembic_config, downgrade, upgrade
 from tests.conftest import PG_BASE, pg_url
 
-TABLES = {"jobs", "results", "workers", "sweeps", "sweep_entries", "reference_runs", "queues_seen"}
+TABLES = {"jobs", "results", "workers", "sweeps", "sweep_entries", "reference_runs", "queues_seen", "api_tokens"}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

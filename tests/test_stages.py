@@ -139,3 +139,25 @@ def test_a_hosts_verdict_stage_runs_there_and_only_the_judge_holds_its_token(api
         assert runner_starts(verdicts, job["id"], "judge") == 1
     finally:
         endpoint.server.shutdown()
+
+
+def test_artifacts_go_with_the_row_and_a_fails_stay_until_retention(api: Any, start_worker: Any) -> None:
+    from shared.settings import get_settings
+
+    artifacts = get_settings().data_dir / "artifacts"
+    # an old FAIL's artifacts, kept past the retention (seven days by default)
+    expired = artifacts / "job-999999"
+    expired.mkdir(parents=True, exist_ok=True)
+    (expired / "verdict.json").write_text("{}")
+    os.utime(expired, (time.time() - 8 * 24 * 3600,) * 2)
+    start_worker("w-faulty", "1", SUPPORTMATRIX_CPU_COMPILE_BACKEND="eager", SUPPORTMATRIX_CPU_FAULT="drop_layer")
+    [failed] = submit(api, "stage/tiny-qwen3", compilers=["eager-2.13.0+cpu"])
+    assert wait_for_job(api, failed["id"], FINISHED)["state"] == "done"
+    [row] = [r for r in result_rows(api, model_id="stage/tiny-qwen3") if r["job_id"] == failed["id"]]
+    assert row["result"] == "FAIL"
+    kept = artifacts / f"job-{failed['id']}"
+    assert (kept / "accelerator.json").exists() and (kept / "prefill-logits.npy").exists()  # for inspection
+    assert (kept / "verdict.json").exists() and not expired.exists()
+    [passed] = submit(api, "stage/tiny-gpt2", force=True)
+    assert wait_for_job(api, passed["id"], FINISHED)["state"] == "done"
+    assert not (artifacts / f"job-{passed['id']}").exists()  # a PASS leaves nothing behind

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import lru_cache
 from typing import Annotated
 
 from celery import Celery
 from fastapi import Depends
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from services.api.errors import forbidden, rate_limited, unauthorized
+from services.api.hub_pool import HubPool
+from services.api.ratelimit import RateLimiter
+from shared.auth.scopes import Scope
+from shared.auth.tokens import Caller, authenticate
 from shared.db.engine import new_session
 from shared.jobs.broker import get_producer
 from shared.settings import Settings, get_settings
@@ -19,6 +26,55 @@ def get_session() -> Iterator[Session]:
         yield session
 
 
+@lru_cache
+def get_rate_limiter() -> RateLimiter:
+    settings = get_settings()
+    return RateLimiter(settings.redis_url, settings.api_rate_limit, settings.api_rate_window_s)
+
+
+@lru_cache
+def get_hub_pool() -> HubPool:
+    settings = get_settings()
+    return HubPool(settings.api_hub_lookups, settings.api_hub_wait_s)
+
+
 SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 ProducerDep = Annotated[Celery, Depends(get_producer)]
+HubPoolDep = Annotated[HubPool, Depends(get_hub_pool)]
+
+# auto_error=False: a missing token is answered by get_caller, with the WWW-Authenticate challenge.
+_bearer = HTTPBearer(
+    auto_error=False, description="A token from `python -m services.api.tokens create NAME --scope submit|admin`."
+)
+
+
+def get_caller(
+    session: SessionDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    limiter: Annotated[RateLimiter, Depends(get_rate_limiter)],
+) -> Caller:
+    """The caller of a write route: 401 without a valid token, 429 when its rate limit is spent."""
+    if credentials is None:
+        raise unauthorized("this route needs a bearer token (Authorization: Bearer <token>)")
+    caller = authenticate(session, credentials.credentials)
+    if caller is None:
+        raise unauthorized("the bearer token is unknown or revoked", invalid=True)
+    session.commit()  # the token's last use, kept whatever the route does next
+    wait_s = limiter.wait_s(caller.key)
+    if wait_s:
+        raise rate_limited(wait_s, limiter.limit, limiter.window_s)
+    return caller
+
+
+def _needs(scope: Scope) -> Callable[[Caller], Caller]:
+    def check(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:
+        if not caller.may(scope):
+            raise forbidden(scope, "this route")
+        return caller
+
+    return check
+
+
+SubmitterDep = Annotated[Caller, Depends(_needs(Scope.submit))]
+AdminDep = Annotated[Caller, Depends(_needs(Scope.admin))]

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.api.errors import unavailable
 from services.api.metrics import StateCollector
 from services.api.routes import health, jobs, results, sweeps, workers
+from shared.hub.client import bound_hub_requests
 from shared.settings import get_settings
+
+log = logging.getLogger(__name__)
 
 
 class BodySizeLimit:
@@ -64,12 +75,21 @@ class BodySizeLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+@asynccontextmanager
+async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    bound_hub_requests(get_settings().hub_timeout_s)
+    yield
+
+
 def create_app() -> FastAPI:
     settings = get_settings()
     app = FastAPI(
         title="supportmatrix",
         summary="Which Hugging Face Hub models run unmodified on AWS Trainium2 (TorchNeuron), and how.",
         version="0.1.0",
+        description="Reads are public. Write routes need `Authorization: Bearer <token>`: "
+        "`python -m services.api.tokens create NAME --scope submit|admin` makes one.",
+        lifespan=lifespan,
     )
     app.add_middleware(BodySizeLimit, max_bytes=settings.api_max_body_bytes)
     app.include_router(jobs.router)
@@ -78,9 +98,28 @@ def create_app() -> FastAPI:
     app.include_router(sweeps.router)
     app.include_router(health.router)
 
+    # The database's own words (host, user, SQL) stay in the log: the client learns only that it is down.
     @app.exception_handler(OperationalError)
-    async def database_unavailable(_: Request, exc: OperationalError) -> JSONResponse:
-        return JSONResponse({"detail": f"database unavailable: {exc.orig}"}, status_code=503)
+    @app.exception_handler(InterfaceError)
+    @app.exception_handler(PoolTimeout)
+    async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("%s %s: database unavailable: %s", request.method, request.url.path, exc)
+        refusal = unavailable("the database is unavailable")
+        return JSONResponse({"detail": refusal.detail}, status_code=refusal.status_code, headers=refusal.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 405:
+            # Starlette lists the methods of the first route on the path only; a path with a GET and a POST route
+            # would say "Allow: POST". The Allow of a 405 names every method of the resource (RFC 9110).
+            allowed = {
+                method
+                for route in app.router.routes
+                if isinstance(route, Route) and route.matches(request.scope)[0] is not Match.NONE
+                for method in route.methods or ()
+            }
+            exc.headers = {**(exc.headers or {}), "Allow": ", ".join(sorted(allowed))}
+        return await http_exception_handler(request, exc)
 
     registry = CollectorRegistry()
     registry.register(StateCollector())

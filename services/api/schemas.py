@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Annotated, Any, Literal
 
+from fastapi import Path, Query
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from shared.contracts import RuntimeInfo
@@ -48,6 +49,12 @@ Revision = Annotated[
 CompilerVersion = Annotated[
     str, Field(pattern=COMPILER_PATTERN, description="A compiler version, e.g. `2.21.33363.0+6dfecc895`.")
 ]
+
+
+# Ids and cursors are SQL's 64-bit integers: a larger number is invalid input (422), not a database error.
+ROW_ID_MAX = 2**63 - 1
+RowId = Annotated[int, Path(ge=1, le=ROW_ID_MAX)]
+Cursor = Annotated[int | None, Query(ge=1, le=ROW_ID_MAX, description="next_cursor of the previous page")]
 
 
 class JobCreate(BaseModel):
@@ -113,17 +120,32 @@ class ErrorBody(BaseModel):
     detail: Any = Field(description="Why the request was refused.")
 
 
+def _header(description: str) -> dict[str, Any]:
+    return {"description": description, "required": True, "schema": {"type": "string"}}
+
+
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI entries for the error statuses a route returns."""
+    """OpenAPI entries for the error statuses a route returns, with the headers that come with them."""
     reasons = {
         400: "Malformed request",
+        401: "No bearer token, or one that is unknown or revoked",
+        403: "The token's scope does not allow this (force and sweeps need admin)",
         404: "Not found",
         409: "Conflicts with the job's state",
         413: "Request body too large",
         422: "Invalid input; the detail says which field and why",
+        429: "This token's rate limit is spent",
         503: "A dependency (Hub, database, broker) is unavailable",
     }
-    return {s: {"model": ErrorBody, "description": reasons[s]} for s in statuses}
+    headers = {
+        401: {"WWW-Authenticate": _header('`Bearer`, with `error="invalid_token"` when a token was presented')},
+        429: {"Retry-After": _header("Seconds until this token may write again")},
+        503: {"Retry-After": _header("Seconds to wait before retrying")},
+    }
+    return {
+        s: {"model": ErrorBody, "description": reasons[s]} | ({"headers": headers[s]} if s in headers else {})
+        for s in statuses
+    }
 
 
 class WorkerOut(RuntimeInfo):

@@ -41,11 +41,14 @@ class Checkpoint:
         return digest.hexdigest()
 
 
-def download(model: str, revision: str | None, local_dir: Path | None, retry_delays_s: list[float]) -> Checkpoint:
+def download(
+    model: str, revision: str | None, local_dir: Path | None, retry_delays_s: list[float], with_code: bool = False
+) -> Checkpoint:
     """The checkpoint on local disk; an unreachable Hub is retried after each of ``retry_delays_s``.
 
     ``model`` is always a Hub id — a directory of the same name in the working directory is not looked at;
-    only an explicit ``local_dir`` runs a checkpoint directory (never a job's way in).
+    only an explicit ``local_dir`` runs a checkpoint directory (never a job's way in). ``with_code`` also
+    fetches the repo's ``*.py`` (trust_remote_code), from the same pinned commit as its weights.
     """
     if local_dir is not None:
         if not local_dir.is_dir():
@@ -53,7 +56,7 @@ def download(model: str, revision: str | None, local_dir: Path | None, retry_del
         return Checkpoint(path=local_dir.resolve(), sha=None)
     for delay in (*retry_delays_s, None):
         try:
-            return _download(model, revision)
+            return _download(model, revision, with_code)
         except RunFailure as failure:
             if failure.error_class != ErrorClass.hub_unavailable or delay is None:
                 raise
@@ -61,13 +64,14 @@ def download(model: str, revision: str | None, local_dir: Path | None, retry_del
     raise AssertionError("unreachable")
 
 
-def _download(model: str, revision: str | None) -> Checkpoint:
+def _download(model: str, revision: str | None, with_code: bool) -> Checkpoint:
     try:
         info = HfApi().model_info(model, revision=revision)
         files = [s.rfilename for s in info.siblings or []]
         # Safetensors when the repo has them; the PyTorch .bin copy only when it has nothing else.
         weights = ["*.safetensors"] if any(f.endswith(".safetensors") for f in files) else ["*.bin"]
-        path = snapshot_download(model, revision=info.sha, allow_patterns=_CONFIG_AND_TOKENIZER + weights)
+        code = ["*.py"] if with_code else []
+        path = snapshot_download(model, revision=info.sha, allow_patterns=_CONFIG_AND_TOKENIZER + weights + code)
     except GatedRepoError as exc:  # before RepositoryNotFoundError: it is a subclass
         raise RunFailure(ErrorClass.gated, f"{model} is gated: {exc}") from exc
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:

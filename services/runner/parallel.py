@@ -54,7 +54,9 @@ def experts_only_tp_plan(config: Any) -> dict[str, str]:
     return plan | {"model.embed_tokens": replicated, "lm_head": replicated}
 
 
-def load_sharded(model_cls: Any, model_dir: str, dtype: Any, world_size: int, kind: Parallelism) -> Any:
+def load_sharded(
+    model_cls: Any, config: Any, model_dir: str, dtype: Any, world_size: int, kind: Parallelism, trust_remote_code: bool
+) -> Any:
     import transformers
 
     kwargs: dict[str, Any]
@@ -66,7 +68,6 @@ def load_sharded(model_cls: Any, model_dir: str, dtype: Any, world_size: int, ki
         elif kind == Parallelism.ep_tp:
             dist_config = DistributedConfig(tp_size=world_size, ep_size=world_size)
         else:
-            config = transformers.AutoConfig.from_pretrained(model_dir)
             dist_config = DistributedConfig(
                 tp_size=world_size, ep_size=world_size, tp_plan=experts_only_tp_plan(config)
             )
@@ -75,7 +76,7 @@ def load_sharded(model_cls: Any, model_dir: str, dtype: Any, world_size: int, ki
         if kind != Parallelism.tp:
             raise _unsupported(f"transformers {transformers.__version__} has no expert-parallel loading")
         kwargs = {"tp_plan": "auto"}
-    model = model_cls.from_pretrained(model_dir, dtype=dtype, **kwargs)
+    model = model_cls.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     assert_sharded(model)
     return model
 

@@ -35,6 +35,7 @@ class AcceleratorSpec(ChildSpec):
     task: Task
     model_dir: Path
     artifacts: Path
+    trust_remote_code: bool = False  # the repo's own code may run here (an allow-listed org's)
 
 
 class ReferenceSpec(ChildSpec):
@@ -45,6 +46,7 @@ class ReferenceSpec(ChildSpec):
     model_dir: Path
     artifacts: Path
     accelerator: AcceleratorData
+    trust_remote_code: bool = False
 
 
 AnySpec = Annotated[DescribeSpec | AcceleratorSpec | ReferenceSpec, Field(discriminator="role")]

@@ -91,7 +91,11 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
     )
     try:
         checkpoint = download(
-            request.model_id, request.revision, request.local_dir, backend.settings.hub_retry_delays_s
+            request.model_id,
+            request.revision,
+            request.local_dir,
+            backend.settings.hub_retry_delays_s,
+            with_code=request.trust_remote_code,
         )
         report.sha = checkpoint.sha
         report.cores = choose_cores(request, checkpoint, backend)
@@ -105,6 +109,7 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
             task=request.task,
             model_dir=checkpoint.path,
             artifacts=artifacts.root,
+            trust_remote_code=request.trust_remote_code,
         )
         env = inherited_environment(backend.accelerator_env())
         ranks = run_ranks(spec, AcceleratorData, env, _timeout(request, backend), artifacts.root)
@@ -191,6 +196,7 @@ def verdict_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -
                 model_dir=acc.model_dir,
                 artifacts=artifacts.root,
                 accelerator=acc.data,
+                trust_remote_code=request.trust_remote_code,
             )
             env = inherited_environment(backend.reference_env())
             found = run_child(spec, ReferenceResult, env, _timeout(request, backend), artifacts.root)

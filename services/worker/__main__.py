@@ -49,13 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     if args.verdict:
         queue = verdict_queue(settings.host_name)
+        registry.configure(registry.Identity(queue=queue))
         name = args.name or "verdict"
     else:
         if args.cores.end >= settings.host_cores:
             parser.error(f"cores {args.cores} lie outside this host's {settings.host_cores} (SUPPORTMATRIX_HOST_CORES)")
         runtime = describe_runtime(settings)
         queue = job_queue(runtime.backend, runtime.compiler_version, cores=args.cores.size)
-        registry.configure(registry.Identity(runtime=runtime, queue=queue, group=args.cores))
+        registry.configure(registry.Identity(queue=queue, runtime=runtime, group=args.cores))
         name = args.name or f"cores-{args.cores}"
     print(f"serving {queue}", flush=True)
     app.worker_main(

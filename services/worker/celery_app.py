@@ -13,15 +13,16 @@ from celery.signals import worker_ready, worker_shutdown
 
 from services.worker import registry
 from shared.jobs.broker import make_celery
-from shared.jobs.queues import SWEEP_TASK
+from shared.jobs.queues import RECONCILE_TASK, SWEEP_TASK
 from shared.settings import get_settings
 
 settings = get_settings()
 app = make_celery(settings, "supportmatrix-worker")
 app.conf.include = ["services.worker.tasks"]
+# Run beat with services.worker.beat:LockedScheduler so that only one scheduler sends these.
+app.conf.beat_schedule = {"reconcile": {"task": RECONCILE_TASK, "schedule": settings.reconcile_every_s}}
 if settings.sweep_every_s:
-    # Run beat with services.worker.beat:LockedScheduler so that only one scheduler sends these.
-    app.conf.beat_schedule = {"sweep": {"task": SWEEP_TASK, "schedule": settings.sweep_every_s}}
+    app.conf.beat_schedule["sweep"] = {"task": SWEEP_TASK, "schedule": settings.sweep_every_s}
 
 
 @worker_ready.connect

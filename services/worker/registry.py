@@ -1,7 +1,8 @@
-"""A job worker's row in `workers`: who it is, what it serves, and a heartbeat while it lives.
+"""A worker's presence: its row in `workers` (core-group workers), its queue marked live, a heartbeat.
 
-The API reads live rows to know which compiler versions are served. Only workers started by
-`python -m services.worker` register (``configure`` is called there); a collector does not.
+The API reads live worker rows to know which compiler versions are served; the reconciler reads when each
+queue last had a live worker (``queues_seen``), to end the jobs of a queue nobody serves. Only workers
+started by `python -m services.worker` take part (``configure`` is called there); a collector does not.
 """
 
 from __future__ import annotations
@@ -12,19 +13,21 @@ import threading
 from dataclasses import dataclass
 
 import sqlalchemy as sa
+from sqlalchemy.exc import SQLAlchemyError
 
 from shared.contracts import RuntimeInfo
 from shared.cores import CoreGroup
 from shared.db.engine import session_scope
 from shared.db.models import Worker, utcnow
+from shared.jobs.reconcile import mark_queue_live
 from shared.settings import get_settings
 
 
 @dataclass
 class Identity:
-    runtime: RuntimeInfo
     queue: str
-    group: CoreGroup
+    runtime: RuntimeInfo | None = None  # a core-group worker: what it serves, registered in `workers`
+    group: CoreGroup | None = None
 
 
 _identity: Identity | None = None
@@ -38,8 +41,8 @@ def configure(identity: Identity) -> None:
 
 
 def core_group() -> CoreGroup:
-    """The cores this worker owns; one core (core 0) for a worker started without an identity."""
-    return _identity.group if _identity else CoreGroup(0, 1)
+    """The cores this worker owns; one core (core 0) for a worker started without a core group."""
+    return _identity.group if _identity and _identity.group else CoreGroup(0, 1)
 
 
 def start(name: str) -> None:
@@ -48,31 +51,34 @@ def start(name: str) -> None:
         return
     identity = _identity
     with session_scope() as session:
-        session.merge(
-            Worker(
-                name=name,
-                host=socket.gethostname(),
-                pid=os.getpid(),
-                **identity.runtime.model_dump(),
-                cores=str(identity.group),
-                core_count=identity.group.size,
-                queue=identity.queue,
-                started_at=utcnow(),
-                heartbeat_at=utcnow(),
+        if identity.runtime is not None and identity.group is not None:
+            session.merge(
+                Worker(
+                    name=name,
+                    host=socket.gethostname(),
+                    pid=os.getpid(),
+                    **identity.runtime.model_dump(),
+                    cores=str(identity.group),
+                    core_count=identity.group.size,
+                    queue=identity.queue,
+                    started_at=utcnow(),
+                    heartbeat_at=utcnow(),
+                )
             )
-        )
+        mark_queue_live(session, identity.queue)
     _stop.clear()
-    _thread = threading.Thread(target=_beat, args=(name,), name="worker-heartbeat", daemon=True)
+    _thread = threading.Thread(target=_beat, args=(name, identity.queue), name="worker-heartbeat", daemon=True)
     _thread.start()
 
 
-def _beat(name: str) -> None:
+def _beat(name: str, queue: str) -> None:
     interval = get_settings().heartbeat_interval_s
     while not _stop.wait(interval):
         try:
             with session_scope() as session:
                 session.execute(sa.update(Worker).where(Worker.name == name).values(heartbeat_at=utcnow()))
-        except Exception:  # a database blip must not kill the heartbeat; the next beat retries
+                mark_queue_live(session, queue)
+        except SQLAlchemyError:  # a database blip must not kill the heartbeat; the next beat retries
             continue
 
 

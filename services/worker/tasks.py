@@ -12,28 +12,35 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
+from celery.utils.log import get_task_logger
+from sqlalchemy.orm import Session
 
 from services.worker import registry
 from services.worker.celery_app import app
 from services.worker.collector import export_once
 from services.worker.supervise import supervise
 from shared.contracts import AcceleratorOutput, Artifacts, RunReport, RunRequest, VerdictOutput, write_model
-from shared.db.engine import new_session, session_scope
+from shared.db.engine import DB_ERRORS, new_session, session_scope
 from shared.db.models import Job, Sweep
 from shared.enums import ErrorClass, Stage, SweepState, Verdict
 from shared.hub.client import HubUnavailable
-from shared.jobs.broker import enqueue_verdict, request_export
+from shared.jobs.broker import enqueue_job, enqueue_verdict, request_export, request_sweep
 from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
-from shared.jobs.queues import EXPORT_TASK, JUDGE_JOB_TASK, RUN_JOB_TASK, SWEEP_TASK, verdict_queue
+from shared.jobs.queues import EXPORT_TASK, JUDGE_JOB_TASK, RECONCILE_TASK, RUN_JOB_TASK, SWEEP_TASK, verdict_queue
+from shared.jobs.reconcile import claim_sweep
+from shared.jobs.reconcile import reconcile as reconcile_jobs
 from shared.jobs.rules import Claim, acquire_lease, finish, heartbeat, job_report, release_for_verdict
 from shared.jobs.sweeps import open_sweep, run_sweep
 from shared.results import references
 from shared.settings import Settings, get_settings, hub_token
 
+logger = get_task_logger(__name__)
+Result = TypeVar("Result")
 SWEEP_RETRIES = 4  # 2 + 4 + 8 + 16 s of backoff before a sweep gives up on the Hub
 
 
@@ -55,15 +62,37 @@ def dead_local_owner(job: Job | None, settings: Settings) -> str | None:
     return None if psutil.pid_exists(int(pid)) else owner
 
 
+def durably(settings: Settings, work: Callable[[Session], Result]) -> Result:
+    """Run ``work`` in a transaction, retrying database errors for up to the lease timeout: a blip shorter
+    than that loses nothing; a longer outage raises, the lease lapses, and the reconciler re-sends the job."""
+    deadline = time.monotonic() + settings.lease_timeout_s
+    pause = 0.5
+    while True:
+        try:
+            with session_scope() as session:
+                return work(session)
+        except DB_ERRORS:
+            if time.monotonic() + pause > deadline:
+                raise
+            logger.warning("database unavailable; retrying in %.1f s", pause)
+            time.sleep(pause)
+            pause = min(pause * 2, settings.heartbeat_interval_s)
+
+
 def claim(task: Any, job_id: int, owner: str, settings: Settings, stage: Stage) -> Job | None:
     """The job, if this delivery takes the stage's lease; None when the message is spent. A lease held
-    by a live owner is retried later (the owner may die: then its lease lapses and a retry takes over)."""
-    with session_scope() as session:
-        outcome, job = acquire_lease(session, job_id, owner, settings, stage)
-        if outcome == Claim.held and (dead := dead_local_owner(job, settings)):
-            outcome, job = acquire_lease(session, job_id, owner, settings, stage, dead_owner=dead)
+    by a live owner, or a database that does not answer, is retried later: the message is never dropped
+    while the job is unfinished (a dead owner's lease lapses, and a retry takes over)."""
+    retry_in = max(2 * settings.heartbeat_interval_s, 1.0)
+    try:
+        with session_scope() as session:
+            outcome, job = acquire_lease(session, job_id, owner, settings, stage)
+            if outcome == Claim.held and (dead := dead_local_owner(job, settings)):
+                outcome, job = acquire_lease(session, job_id, owner, settings, stage, dead_owner=dead)
+    except DB_ERRORS as exc:
+        raise task.retry(countdown=retry_in, max_retries=None, exc=exc) from exc
     if outcome == Claim.held:
-        raise task.retry(countdown=max(2 * settings.heartbeat_interval_s, 1.0), max_retries=None)
+        raise task.retry(countdown=retry_in, max_retries=None)
     return job if outcome == Claim.taken else None
 
 
@@ -71,10 +100,20 @@ def artifact_dir(settings: Settings, job_id: int) -> Path:
     return settings.data_dir / "artifacts" / f"job-{job_id}"
 
 
-def _lease_keeper(job_id: int, owner: str) -> Any:
+def _lease_keeper(job_id: int, owner: str, settings: Settings) -> Callable[[], bool]:
+    """Extends the lease; False when it is no longer ours. A database that does not answer is waited out
+    while the lease cannot have lapsed — past that, someone else may take the job over, so we stop."""
+    last_held = time.monotonic()
+
     def keep_lease() -> bool:
-        with session_scope() as session:
-            return heartbeat(session, job_id, owner)
+        nonlocal last_held
+        try:
+            with session_scope() as session:
+                held = heartbeat(session, job_id, owner)
+        except DB_ERRORS:
+            return time.monotonic() - last_held < settings.lease_timeout_s - settings.heartbeat_interval_s
+        last_held = time.monotonic()
+        return held
 
     return keep_lease
 
@@ -86,6 +125,7 @@ def _stage_request(job: Job, stage: Stage, artifacts: Artifacts, core_range: str
         backend=job.backend,
         task=job.task,
         cores=job.cores,
+        trust_remote_code=job.trust_remote_code,
         core_range=core_range,
         stage=stage,
         artifacts=artifacts.root,
@@ -108,15 +148,14 @@ def run_job(self: Any, job_id: int) -> str:
     token = hub_token()
     secrets = {"HF_TOKEN": token} if job.gated and token else None
     request = _stage_request(job, Stage.accelerator, artifacts, core_range=str(group))
-    report = supervise(request, job, settings, _lease_keeper(job_id, owner), group, secrets)
+    report = supervise(request, job, settings, _lease_keeper(job_id, owner, settings), group, secrets)
     if report is None:
         shutil.rmtree(artifacts.root, ignore_errors=True)
         return "lease lost: cancelled or taken over; nothing written"
     if report.verdict is not None:  # it ended here: ERROR, or SKIPPED as too large
         return _write_result(job_id, owner, report, artifacts, settings)
     queue = verdict_queue(settings.host_name)
-    with session_scope() as session:
-        released = release_for_verdict(session, job_id, owner, queue, report.torch_version or "")
+    released = durably(settings, lambda s: release_for_verdict(s, job_id, owner, queue, report.torch_version or ""))
     if not released:
         shutil.rmtree(artifacts.root, ignore_errors=True)
         return "lease lost after the accelerator stage; nothing written"
@@ -137,14 +176,14 @@ def judge_job(self: Any, job_id: int) -> str:
         message = f"the accelerator stage's artifacts are missing from {artifacts.root} on {settings.host_name}"
         report = job_report(job, Verdict.ERROR, ErrorClass.internal, message)
         return _write_result(job_id, owner, report, artifacts, settings)
-    _hand_over_stored_reference(artifacts)
-    keep_lease = _lease_keeper(job_id, owner)
+    _hand_over_stored_reference(artifacts, settings)
+    keep_lease = _lease_keeper(job_id, owner, settings)
     report = supervise(_stage_request(job, Stage.verdict, artifacts), job, settings, keep_lease, None)
     output = VerdictOutput.model_validate_json(artifacts.verdict.read_text()) if artifacts.verdict.exists() else None
     if output is not None and output.new_reference is not None:
         blob = artifacts.reference_prefill.read_bytes() if artifacts.reference_prefill.exists() else None
-        with session_scope() as session:
-            references.store(session, output.new_reference, blob)
+        reference = output.new_reference
+        durably(settings, lambda s: references.store(s, reference, blob))
     if report is not None and output is not None and output.judge_needed and report.verdict != Verdict.ERROR:
         # The judge's token goes to this process alone: it loads no tested checkpoint.
         secrets = {"SUPPORTMATRIX_JUDGE_TOKEN": settings.judge_token} if settings.judge_token else None
@@ -156,11 +195,10 @@ def judge_job(self: Any, job_id: int) -> str:
     return _write_result(job_id, owner, report, artifacts, settings)
 
 
-def _hand_over_stored_reference(artifacts: Artifacts) -> None:
+def _hand_over_stored_reference(artifacts: Artifacts, settings: Settings) -> None:
     """Put the stored reference this run can reuse (if any) where the verdict stage looks for it."""
     key = AcceleratorOutput.model_validate_json(artifacts.accelerator.read_text()).reference_key
-    with session_scope() as session:
-        stored = references.load(session, key)
+    stored = durably(settings, lambda s: references.load(s, key))
     if stored is not None:
         reference, blob = stored
         write_model(artifacts.stored_reference, reference)
@@ -169,8 +207,7 @@ def _hand_over_stored_reference(artifacts: Artifacts) -> None:
 
 
 def _write_result(job_id: int, owner: str, report: RunReport, artifacts: Artifacts, settings: Settings) -> str:
-    with session_scope() as session:
-        written = finish(session, job_id, owner, report)
+    written = durably(settings, lambda s: finish(s, job_id, owner, report))
     if written:
         request_export(app)
     _retire_artifacts(artifacts, keep=written and report.verdict == Verdict.FAIL, settings=settings)
@@ -203,26 +240,46 @@ def sweep(self: Any, sweep_id: int | None = None) -> str:
             if opened is None:
                 return f"slot {slot} already swept"
             sweep_id = opened.id
+        if not claim_sweep(session, sweep_id, settings):
+            return "nothing to do: running elsewhere, finished, or gone"
     try:
         with new_session() as session:  # committed by commit_and_enqueue; a Hub failure keeps nothing
             record = session.get(Sweep, sweep_id)
-            if record is None or record.state == SweepState.done:
-                return "nothing to do"
+            assert record is not None
             submitted = run_sweep(session, settings, record)
-            commit_and_enqueue(session, app, submitted)
-    except QueueUnavailable as exc:
-        with session_scope() as session:
-            failed = session.get(Sweep, sweep_id)
-            assert failed is not None
-            failed.state, failed.error = SweepState.failed, f"the job queue is unavailable: {exc}"
-        return "failed: the job queue is unavailable"
+            commit_and_enqueue(session, app, submitted, keep_on_broker_failure=True)
+    except QueueUnavailable:
+        return "jobs committed; the reconciler sends them once the queue answers again"
     except HubUnavailable as exc:
+        with session_scope() as session:
+            record = session.get(Sweep, sweep_id)
+            assert record is not None
+            if self.request.retries < SWEEP_RETRIES:
+                record.state, record.claimed_at = SweepState.queued, None  # for the retry to claim
+            else:
+                record.state, record.error = SweepState.failed, f"{ErrorClass.hub_unavailable.value}: {exc}"
         if self.request.retries < SWEEP_RETRIES:
             # The retry keeps the sweep's id: a scheduled sweep's slot is already taken by it.
             raise self.retry(args=[sweep_id], countdown=2 ** (self.request.retries + 1), exc=exc) from exc
-        with session_scope() as session:
-            failed = session.get(Sweep, sweep_id)
-            assert failed is not None
-            failed.state, failed.error = SweepState.failed, f"{ErrorClass.hub_unavailable.value}: {exc}"
         return "failed: the Hub did not answer"
     return f"{sum(s.enqueue for s in submitted)} jobs enqueued"
+
+
+@app.task(name=RECONCILE_TASK)
+def reconcile() -> str:
+    """Re-send what no message will move; end what no worker will take (see shared.jobs.reconcile)."""
+    settings = get_settings()
+    with session_scope() as session:
+        found = reconcile_jobs(session, settings)
+    for resend in found.resend:
+        if resend.stage == Stage.verdict:
+            enqueue_verdict(app, resend.job_id, resend.queue)
+        else:
+            enqueue_job(app, resend.job_id, resend.queue)
+    for sweep_id in found.sweeps:
+        request_sweep(app, sweep_id)
+    if found.no_worker:
+        request_export(app)
+    summary = found.summary()
+    logger.info("reconciler: %s", summary)
+    return summary

@@ -7,9 +7,13 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 import sqlalchemy as sa
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from shared.settings import get_settings
+
+# How a database that is down or unreachable shows itself: worth retrying, unlike a refused statement.
+DB_ERRORS = (OperationalError, InterfaceError)
 
 
 def make_engine(url: str) -> sa.Engine:

@@ -9,6 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from shared.auth.scopes import Scope
 from shared.contracts import LIBRARY, RuntimeInfo
 from shared.enums import ACTIVE_STATES, ErrorClass, JobState, SweepState, Verdict
 
@@ -80,6 +81,8 @@ class Job(RuntimeIdentity, Base):
     task: Mapped[str] = mapped_column(sa.String(64))
     config_hash: Mapped[str] = mapped_column(sa.String(16), server_default="")  # shared.testconfig: what it runs
     gated: Mapped[bool] = mapped_column(default=False, server_default=sa.false())  # the runner gets HF_TOKEN
+    # The repo's own code runs (an allow-listed org's custom_code repo), pinned to the commit it was sized at.
+    trust_remote_code: Mapped[bool] = mapped_column(default=False, server_default=sa.false())
     cores: Mapped[int] = mapped_column(default=1)
     queue: Mapped[str] = mapped_column(sa.String(200))
     state: Mapped[JobState] = mapped_column(enum_column(JobState), default=JobState.queued, index=True)
@@ -203,6 +206,7 @@ class Sweep(Base):
     config: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
     error: Mapped[str | None] = mapped_column(sa.Text)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    claimed_at: Mapped[dt.datetime | None]  # when a control worker took it; a stale claim is re-sent
     finished_at: Mapped[dt.datetime | None]
 
     entries: Mapped[list[SweepEntry]] = relationship(back_populates="sweep", order_by="SweepEntry.id")
@@ -244,3 +248,18 @@ class ReferenceRun(LibraryIdentity, Base):
     data: Mapped[dict[str, Any]] = mapped_column(sa.JSON)  # tokens, text, log-likelihood, embeddings, timings
     blob: Mapped[bytes | None] = mapped_column(sa.LargeBinary)  # the prefill logits (float32 .npy)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class ApiToken(Base):
+    """A bearer token of the API's write routes. Only its SHA-256 is stored; the token is shown once, when
+    it is created (``python -m services.api.tokens create``). A revoked token keeps its row and its name."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    scope: Mapped[Scope] = mapped_column(enum_column(Scope))
+    token_hash: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[dt.datetime | None]
+    revoked_at: Mapped[dt.datetime | None]

@@ -5,10 +5,13 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import threading
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
-from huggingface_hub import HfApi, hf_hub_download
+from cachetools import TTLCache
+from huggingface_hub import HfApi, hf_hub_download, set_client_factory
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -18,6 +21,7 @@ from huggingface_hub.errors import (
 )
 
 from shared.hub.sizing import ModelShape, parameters_from_file_sizes, shape_from_config
+from shared.settings import get_settings
 
 
 def _transport_errors() -> tuple[type[Exception], ...]:
@@ -86,8 +90,31 @@ class ResolvedModel:
 EXPAND = ["sha", "siblings", "safetensors", "gated", "pipeline_tag", "library_name", "tags"]
 
 
-def resolve_model(model_id: str, revision: str | None = None, timeout_s: float = 20.0) -> ResolvedModel:
-    """The commit a (model, revision) points at now; raises a HubError subclass with a reason."""
+@lru_cache
+def _model_info_cache() -> TTLCache[tuple[str, str | None], ResolvedModel]:
+    # A branch moves, so an answer is kept only a few minutes; failures are not kept (a repo may appear).
+    return TTLCache(maxsize=4096, ttl=get_settings().hub_info_cache_s)
+
+
+# cachetools caches are not thread-safe, and submissions resolve from several threads at once.
+_model_info_lock = threading.Lock()
+
+
+def resolve_model(model_id: str, revision: str | None = None, timeout_s: float | None = None) -> ResolvedModel:
+    """The commit a (model, revision) points at, as the Hub said at most ``hub_info_cache_s`` ago; raises a
+    HubError subclass with a reason. ``timeout_s`` defaults to ``hub_timeout_s``."""
+    cache = _model_info_cache()
+    with _model_info_lock:
+        cached = cache.get((model_id, revision))
+    if cached is not None:
+        return cached
+    model = _fetch_model_info(model_id, revision, timeout_s or get_settings().hub_timeout_s)
+    with _model_info_lock:
+        cache[(model_id, revision)] = model
+    return model
+
+
+def _fetch_model_info(model_id: str, revision: str | None, timeout_s: float) -> ResolvedModel:
     try:
         info = HfApi().model_info(model_id, revision=revision, timeout=timeout_s, expand=EXPAND)  # type: ignore[arg-type]
     except RevisionNotFoundError as exc:
@@ -99,7 +126,13 @@ def resolve_model(model_id: str, revision: str | None = None, timeout_s: float =
     except OfflineModeIsEnabled as exc:
         raise HubUnavailable("HF_HUB_OFFLINE is set: the Hub cannot be asked about models") from exc
     except HfHubHTTPError as exc:
-        raise HubUnavailable(f"the Hub answered {exc.response.status_code if exc.response else '?'}") from exc
+        status = exc.response.status_code if exc.response is not None else None
+        # A 404 without the Hub's error code (a revision with a '/' that routes nowhere): not found all the same.
+        if status == 404 and revision is not None:
+            raise RevisionNotFound(f"revision {revision!r} of {model_id} does not exist on the Hub") from exc
+        if status == 404:
+            raise ModelNotFound(f"{model_id} does not exist on the Hub, or is private") from exc
+        raise HubUnavailable(f"the Hub answered {status or '?'}") from exc
     except (OSError, *TRANSPORT_ERRORS) as exc:  # connection refused, DNS, timeouts
         raise HubUnavailable(f"the Hub is unreachable: {exc.__class__.__name__}: {exc}") from exc
     if not info.sha:
@@ -140,10 +173,13 @@ class Gated(HubError):
     pass
 
 
-def model_shape(model: ResolvedModel, timeout_s: float = 20.0) -> ModelShape:
-    """Size inputs without downloading weights: safetensors metadata (or weight file sizes) + config.json."""
+def model_shape(model: ResolvedModel, timeout_s: float | None = None) -> ModelShape:
+    """Size inputs without downloading weights: safetensors metadata (or weight file sizes) + config.json.
+    ``timeout_s`` defaults to ``hub_timeout_s``."""
     try:
-        config_path = hf_hub_download(model.model_id, "config.json", revision=model.sha, etag_timeout=timeout_s)
+        config_path = hf_hub_download(
+            model.model_id, "config.json", revision=model.sha, etag_timeout=timeout_s or get_settings().hub_timeout_s
+        )
         config = json.loads(Path(config_path).read_text())
     except GatedRepoError as exc:
         raise Gated(f"{model.model_id} is gated and the configured token (HF_TOKEN) may not read it") from exc
@@ -160,3 +196,20 @@ def model_shape(model: ResolvedModel, timeout_s: float = 20.0) -> ModelShape:
             raise Unsizable(f"{model.model_id}: the Hub gives no size for {weights}")
         parameters = parameters_from_file_sizes(total, config.get("torch_dtype") or config.get("dtype"))
     return shape_from_config(parameters, config)
+
+
+def bound_hub_requests(timeout_s: float) -> None:
+    """Give every Hub request of this process a timeout. huggingface_hub's shared client has none
+    (``timeout=None``), and some calls (``get_paths_info``) take no timeout argument, so without this a
+    Hub that accepts a connection and never answers holds the calling thread for good. For processes that
+    only ask the Hub about models (the API): a download's pauses can be longer."""
+    # The default factory adds huggingface_hub's request hooks (offline mode, request ids); it has no public
+    # name, so it is wrapped rather than rebuilt.
+    from huggingface_hub.utils._http import default_client_factory
+
+    def bounded_client():  # type: ignore[no-untyped-def]
+        client = default_client_factory()
+        client.timeout = timeout_s
+        return client
+
+    set_client_factory(bounded_client)

@@ -14,7 +14,15 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
 
-from shared.jobs.queues import CONTROL_QUEUE, EXPORT_TASK, JUDGE_JOB_TASK, RUN_JOB_TASK, SWEEP_TASK, celery_task_id
+from shared.jobs.queues import (
+    CONTROL_QUEUE,
+    EXPORT_TASK,
+    JUDGE_JOB_TASK,
+    RECONCILE_TASK,
+    RUN_JOB_TASK,
+    SWEEP_TASK,
+    celery_task_id,
+)
 from shared.settings import Settings, get_settings
 
 # How a broker that is down or unreachable shows itself to a producer.
@@ -26,8 +34,13 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_url": settings.redis_url,
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {
-            # Longer than the longest job, so a healthy long run is not handed to a second worker.
-            "visibility_timeout": int(settings.job_timeout_s + 10 * settings.lease_timeout_s),
+            # Redis restores a message that was taken but never acknowledged after this long. It is only a
+            # backstop — the reconciler re-sends a lost job after its lease lapses — so it is longer than the
+            # longest job: a healthy long run's message then comes back at most once, and that delivery
+            # finds the live lease and waits its turn instead of running the job again.
+            "visibility_timeout": int(
+                settings.visibility_timeout_s or settings.job_timeout_s + 10 * settings.lease_timeout_s
+            ),
         },
         "task_acks_late": True,  # a job's message survives the worker that took it
         "task_reject_on_worker_lost": True,  # ... even when the pool process is killed
@@ -36,7 +49,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_ignore_result": True,  # results live in SQL
         # A submission waits at most ~1 s for a broker that is down, then answers 503 and keeps nothing.
         "task_publish_retry_policy": {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.3},
-        "task_routes": {EXPORT_TASK: {"queue": CONTROL_QUEUE}, SWEEP_TASK: {"queue": CONTROL_QUEUE}},
+        "task_routes": {task: {"queue": CONTROL_QUEUE} for task in (EXPORT_TASK, SWEEP_TASK, RECONCILE_TASK)},
         "task_default_queue": CONTROL_QUEUE,
         "worker_hijack_root_logger": False,
     }

@@ -18,11 +18,16 @@ class QueueUnavailable(RuntimeError):
     """The broker refused a message; what the message was about was taken back. The text says why."""
 
 
-def commit_and_enqueue(session: Session, producer: Celery, submitted: list[rules.Submitted]) -> None:
+def commit_and_enqueue(
+    session: Session, producer: Celery, submitted: list[rules.Submitted], *, keep_on_broker_failure: bool = False
+) -> None:
     """Commit the submission, then enqueue each job that waits for a worker.
 
     When the broker fails, the jobs this submission created (settled ones included) are withdrawn and
-    committed, and QueueUnavailable is raised: the submission keeps nothing. Jobs that already existed stay.
+    committed, and QueueUnavailable is raised: the submission keeps nothing, and its caller (a person at the
+    API) can try again. Jobs that already existed stay. A sweep keeps them instead
+    (``keep_on_broker_failure``): nobody waits on it, and the reconciler sends queued jobs that no message
+    moves once the broker is back.
     """
     session.commit()
     try:
@@ -30,8 +35,9 @@ def commit_and_enqueue(session: Session, producer: Celery, submitted: list[rules
             if s.enqueue:
                 enqueue_job(producer, s.job.id, s.job.queue)
     except BROKER_ERRORS as exc:
-        rules.withdraw(session, [s.job.id for s in submitted if s.created])
-        session.commit()
+        if not keep_on_broker_failure:
+            rules.withdraw(session, [s.job.id for s in submitted if s.created])
+            session.commit()
         raise QueueUnavailable(str(exc)) from exc
 
 

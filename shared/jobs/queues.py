@@ -13,6 +13,7 @@ RUN_JOB_TASK = "supportmatrix.run_job"  # the accelerator stage
 JUDGE_JOB_TASK = "supportmatrix.judge_job"  # the verdict stage
 EXPORT_TASK = "supportmatrix.export"
 SWEEP_TASK = "supportmatrix.sweep"
+RECONCILE_TASK = "supportmatrix.reconcile"
 
 
 def job_queue(backend: str, compiler_version: str, cores: int) -> str:

@@ -174,6 +174,7 @@ def submit(
             task=task,
             config_hash=config_hash(task),
             gated=model.gated,
+            trust_remote_code=model.needs_remote_code,
             **runtime.model_dump(),
             cores=cores,
             queue=job_queue(runtime.backend, runtime.compiler_version, cores),
@@ -367,6 +368,7 @@ def release_for_verdict(session: Session, job_id: int, owner: str, verdict_queue
                 lease_owner=None,
                 heartbeat_at=now,
                 judging_at=now,
+                enqueued_at=now,
                 verdict_queue=verdict_queue,
                 torch_version=torch_version,
             )
@@ -396,9 +398,25 @@ def finish(session: Session, job_id: int, owner: str, report: RunReport) -> bool
 
 def settle(session: Session, job: Job, verdict: Verdict, error_class: ErrorClass, reason: str) -> None:
     """Finish a just-created, still queued job without running it (refused at submission)."""
-    settled = _close(session, job.id, Job.state == JobState.queued, job_report(job, verdict, error_class, reason))
+    settled = job.state == JobState.queued and close_unattended(
+        session, job, job_report(job, verdict, error_class, reason)
+    )
     assert settled, f"job {job.id} was no longer queued"
     session.refresh(job)
+
+
+def close_unattended(session: Session, job: Job, report: RunReport) -> bool:
+    """End a job that nobody holds (or whose holder is gone) as it was read: False when it moved meanwhile —
+    taken, heartbeated or finished — so that a live worker's job is never closed under it."""
+    unchanged = sa.and_(
+        Job.state == job.state,
+        Job.lease_owner.is_(None) if job.lease_owner is None else Job.lease_owner == job.lease_owner,
+        Job.heartbeat_at.is_(None) if job.heartbeat_at is None else Job.heartbeat_at == job.heartbeat_at,
+    )
+    closed = _close(session, job.id, unchanged, report)
+    if closed:
+        _end_job_attempt(session, job.id, f"ended {report.error_class or report.verdict} while unattended")
+    return closed
 
 
 def _close(session: Session, job_id: int, condition: sa.ColumnElement[bool], report: RunReport) -> bool:

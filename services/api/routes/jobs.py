@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+from functools import partial
 from typing import Annotated
 
+from celery import Celery
 from fastapi import APIRouter, HTTPException, Query, Response, status
+from sqlalchemy.orm import Session
 
-from services.api.deps import ProducerDep, SessionDep, SettingsDep
+from services.api.deps import HubPoolDep, ProducerDep, SessionDep, SettingsDep, SubmitterDep
+from services.api.errors import forbidden, unavailable
+from services.api.hub_pool import PoolBusy
 from services.api.schemas import (
+    Cursor,
     JobCreate,
     JobOut,
     JobPage,
     JobsSubmitted,
     ModelId,
+    RowId,
     SubmittedJob,
     error_responses,
 )
+from shared.auth.scopes import Scope
 from shared.db.models import Job
 from shared.enums import JobState
 from shared.hub.client import HubUnavailable, ModelNotFound, RevisionNotFound
@@ -24,7 +33,9 @@ from shared.jobs import rules as job_rules
 from shared.jobs.broker import revoke_job
 from shared.jobs.dispatch import BROKER_ERRORS, QueueUnavailable, commit_and_enqueue
 from shared.jobs.submission import Request, UnsupportedTask, submit_model
+from shared.settings import Settings
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
@@ -34,14 +45,34 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
     response_model=JobsSubmitted,
     responses={
         200: {"model": JobsSubmitted, "description": "Identical jobs already existed; nothing was enqueued"},
-        **error_responses(404, 413, 422, 503),
+        **error_responses(400, 401, 403, 404, 413, 422, 429, 503),
     },
 )
-def submit_jobs(
-    body: JobCreate, session: SessionDep, settings: SettingsDep, producer: ProducerDep, response: Response
+async def submit_jobs(
+    body: JobCreate,
+    caller: SubmitterDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    producer: ProducerDep,
+    pool: HubPoolDep,
+    response: Response,
 ) -> JobsSubmitted:
-    """One job per compiler version: 202 when any was created, 200 when all already existed."""
-    request = Request(**body.model_dump())
+    """One job per compiler version: 202 when any was created, 200 when all already existed. Needs a token of
+    scope submit; `force` needs admin."""
+    if body.force and not caller.may(Scope.admin):
+        raise forbidden(Scope.admin, "force")
+    # The submission asks the Hub (up to three calls): it runs in the Hub pool, never in the shared threads.
+    try:
+        submitted = await pool.run(partial(_submit, session, settings, producer, Request(**body.model_dump())))
+    except PoolBusy as exc:
+        raise unavailable(f"too many submissions are waiting on the Hub ({exc}); retry later") from exc
+    if not any(job.created for job in submitted.jobs):
+        response.status_code = status.HTTP_200_OK
+    return submitted
+
+
+def _submit(session: Session, settings: Settings, producer: Celery, request: Request) -> JobsSubmitted:
+    """The blocking part of a submission, database included, so that none of it runs on the event loop."""
     try:
         submitted = submit_model(session, settings, request)
     except (ModelNotFound, RevisionNotFound) as exc:
@@ -49,15 +80,12 @@ def submit_jobs(
     except (job_rules.UnknownCompiler, UnsupportedTask) as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
     except (HubUnavailable, job_rules.NoRuntime) as exc:
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from exc
+        raise unavailable(str(exc)) from exc
     try:
         commit_and_enqueue(session, producer, submitted)
     except QueueUnavailable as exc:
-        raise HTTPException(
-            status.HTTP_503_SERVICE_UNAVAILABLE, f"the job queue is unavailable, nothing was submitted: {exc}"
-        ) from exc
-    if not any(s.created for s in submitted):
-        response.status_code = status.HTTP_200_OK
+        log.warning("submission refused, the job queue is unavailable: %s", exc)
+        raise unavailable("the job queue is unavailable, nothing was submitted") from exc
     return JobsSubmitted(
         jobs=[SubmittedJob(**JobOut.model_validate(s.job).model_dump(), created=s.created) for s in submitted]
     )
@@ -70,7 +98,7 @@ def list_jobs(
     state: JobState | None = None,
     model_id: Annotated[ModelId | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    cursor: Annotated[int | None, Query(ge=1, description="next_cursor of the previous page")] = None,
+    cursor: Cursor = None,
 ) -> JobPage:
     """Newest first."""
     limit = min(limit, settings.page_limit_max)
@@ -80,16 +108,17 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=error_responses(404, 422, 503))
-def get_job(job_id: int, session: SessionDep) -> JobOut:
+def get_job(job_id: RowId, session: SessionDep) -> JobOut:
     job = session.get(Job, job_id)
     if job is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} does not exist")
     return JobOut.model_validate(job)
 
 
-@router.delete("/{job_id}", response_model=JobOut, responses=error_responses(404, 409, 422, 503))
-def cancel_job(job_id: int, session: SessionDep, producer: ProducerDep) -> JobOut:
-    """Cancel a queued job, or stop a running one: its worker kills the runner within a heartbeat."""
+@router.delete("/{job_id}", response_model=JobOut, responses=error_responses(401, 404, 409, 422, 429, 503))
+def cancel_job(job_id: RowId, _: SubmitterDep, session: SessionDep, producer: ProducerDep) -> JobOut:
+    """Cancel a queued job, or stop a running one: its worker kills the runner within a heartbeat. Needs a token
+    of scope submit."""
     try:
         job = job_rules.cancel(session, job_id)
     except job_rules.JobNotFound as exc:

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Response
 
 from services.api.deps import SessionDep, SettingsDep
-from services.api.schemas import CompilerVersion, ModelId, ResultPage, error_responses
+from services.api.schemas import CompilerVersion, Cursor, ModelId, ResultPage, error_responses
 from shared.enums import Task, Verdict
 from shared.jobs.sweeps import view_job_ids
 from shared.results.cells import Axis, CellDiff, diff
@@ -49,7 +49,7 @@ def list_results(
     library_version: Annotated[CompilerVersion | None, Query()] = None,
     verdict: Verdict | None = None,
     limit: Annotated[int, Query(ge=1, le=10000)] = 100,
-    cursor: Annotated[int | None, Query(ge=1, description="next_cursor of the previous page")] = None,
+    cursor: Cursor = None,
     format: Literal["json", "csv", "parquet"] = "json",
     view: Annotated[
         Literal["trending", "downloads", "selected"] | None,

@@ -34,12 +34,13 @@ def _embed(model: Any, inputs: dict[str, Any]) -> Any:
     return torch.nn.functional.normalize(pooled, dim=-1).cpu()
 
 
-def _load(model_dir: Any, backend: Backend, device: str) -> tuple[Any, Any]:
+def _load(model_dir: Any, backend: Backend, device: str, trust_remote_code: bool) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModel.from_pretrained(model_dir, dtype=getattr(torch, backend.dtype)).to(device).eval()
+    code = {"trust_remote_code": trust_remote_code}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, **code)
+    model = AutoModel.from_pretrained(model_dir, dtype=getattr(torch, backend.dtype), **code).to(device).eval()
     # Static shapes: one padded batch of fixed length.
     inputs = tokenizer(SENTENCES, padding="max_length", max_length=32, truncation=True, return_tensors="pt")
     return model, inputs.to(device)
@@ -56,8 +57,9 @@ class FeatureExtraction:
         clock = Stopwatch()
         with phase(ErrorClass.load), clock.time("load"):
             # Encoders carry no parallel plan: a forced split is refused here with the reason.
-            parallel.choose_parallelism(AutoConfig.from_pretrained(spec.model_dir), spec.world_size, "ep")
-            model, inputs = _load(spec.model_dir, backend, backend.device)
+            config = AutoConfig.from_pretrained(spec.model_dir, trust_remote_code=spec.trust_remote_code)
+            parallel.choose_parallelism(config, spec.world_size, "ep")
+            model, inputs = _load(spec.model_dir, backend, backend.device, spec.trust_remote_code)
         model.forward = backend.compile(model.forward)
         with phase(ErrorClass.compile), clock.time("first"):
             embeddings = _embed(model, inputs)
@@ -74,7 +76,7 @@ class FeatureExtraction:
 
     def reference(self, spec: ReferenceSpec, backend: Backend) -> ReferenceResult:
         with phase(ErrorClass.load):
-            model, inputs = _load(spec.model_dir, backend, "cpu")
+            model, inputs = _load(spec.model_dir, backend, "cpu", spec.trust_remote_code)
         with phase(ErrorClass.runtime):
             return ReferenceResult(data={"embeddings": _embed(model, inputs).tolist()})
 

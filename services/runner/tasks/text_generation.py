@@ -48,16 +48,18 @@ class TextGeneration:
 
         model_dir, world_size, rank = spec.model_dir, spec.world_size, spec.rank
         dtype = getattr(torch, backend.dtype)
+        code = {"trust_remote_code": spec.trust_remote_code}
         clock = Stopwatch()
         torch.manual_seed(0)
         with phase(ErrorClass.load), clock.time("load"):
-            config = AutoConfig.from_pretrained(model_dir)
+            config = AutoConfig.from_pretrained(model_dir, **code)
             kind = parallel.choose_parallelism(config, world_size, backend.settings.moe_parallelism)
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, **code)
             if kind == Parallelism.none:
-                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(backend.device)
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **code).to(backend.device)
             else:
-                model = parallel.load_sharded(AutoModelForCausalLM, str(model_dir), dtype, world_size, kind)
+                model = parallel.load_sharded(AutoModelForCausalLM, config, str(model_dir), dtype, world_size, kind,
+                                              spec.trust_remote_code)  # fmt: skip
             model.eval()
             if backend.fault:
                 faults.inject(model, backend.fault, rank, world_size)
@@ -101,10 +103,11 @@ class TextGeneration:
 
         acc_tokens = spec.accelerator.token_ids or []
         dtype = getattr(torch, backend.dtype)
+        code = {"trust_remote_code": spec.trust_remote_code}
         clock = Stopwatch()
         with phase(ErrorClass.load), clock.time("load"):
-            tokenizer = AutoTokenizer.from_pretrained(spec.model_dir)
-            model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=dtype).eval()
+            tokenizer = AutoTokenizer.from_pretrained(spec.model_dir, **code)
+            model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=dtype, **code).eval()
             inputs = tokenizer(PROMPT, return_tensors="pt")
         prompt_len = inputs["input_ids"].shape[1]
         with phase(ErrorClass.runtime), clock.time("generate"), torch.inference_mode():

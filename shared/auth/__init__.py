@@ -1,0 +1,1 @@
+"""Who may change state through the API: bearer tokens, stored hashed, each with a scope."""

@@ -1,0 +1,86 @@
+"""API tokens: created once (the caller sees the token then, and never again), stored as their SHA-256,
+looked up by that hash, revoked by name.
+
+A token is 256 random bits, so a fast hash is enough: there is nothing to brute-force that a slow password
+hash (bcrypt, argon2) would protect. The lookup goes through the hash's unique index, and the found hash is
+compared again in constant time, so no timing of the comparison tells an attacker how much of a guess matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from shared.auth.scopes import Scope
+from shared.db.models import ApiToken, utcnow
+
+# The prefix lets secret scanners (and people) recognise a leaked token.
+TOKEN_PREFIX = "smx_"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class TokenExists(ValueError):
+    pass
+
+
+class TokenNotFound(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a valid token says is calling: its name and scope, and a key for per-token state (the rate limit)
+    that is stable for the token's life and says nothing usable about the token itself."""
+
+    name: str
+    scope: Scope
+    key: str
+
+    def may(self, needed: Scope) -> bool:
+        return self.scope.covers(needed)
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def create_token(session: Session, name: str, scope: Scope) -> str:
+    """Add a token and return it: the only time it exists outside the caller's hands is this return value."""
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise ValueError(f"token name {name!r}: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    if session.scalar(sa.select(ApiToken.id).where(ApiToken.name == name)) is not None:
+        raise TokenExists(f"a token named {name!r} exists (revoked ones keep their name); pick another name")
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    session.add(ApiToken(name=name, scope=scope, token_hash=token_hash(token)))
+    session.flush()
+    return token
+
+
+def list_tokens(session: Session) -> list[ApiToken]:
+    return list(session.scalars(sa.select(ApiToken).order_by(ApiToken.id)))
+
+
+def revoke_token(session: Session, name: str) -> ApiToken:
+    """Revoke a token by name; revoking a revoked token keeps its first revocation time."""
+    token = session.scalar(sa.select(ApiToken).where(ApiToken.name == name))
+    if token is None:
+        raise TokenNotFound(f"no token named {name!r}")
+    if token.revoked_at is None:
+        token.revoked_at = utcnow()
+    return token
+
+
+def authenticate(session: Session, token: str) -> Caller | None:
+    """The caller a presented token stands for, or None for an unknown or revoked one; marks it used."""
+    digest = token_hash(token)
+    found = session.scalar(sa.select(ApiToken).where(ApiToken.token_hash == digest, ApiToken.revoked_at.is_(None)))
+    if found is None or not hmac.compare_digest(found.token_hash, digest):
+        return None
+    found.last_used_at = utcnow()
+    return Caller(name=found.name, scope=found.scope, key=digest[:32])

@@ -1,0 +1,112 @@
+"""The reconciler's rules: SQL is the truth, the broker only a delivery.
+
+A message can be lost (Redis restarted without persistence, a worker killed outright, an enqueue that failed
+after its commit) or never consumed (a queue nobody serves). The reconciler — one instance, run on the locked
+beat scheduler every ``reconcile_every_s`` — finds the jobs and sweeps that no message will ever move and
+says what to re-send; duplicates are harmless, because the lease decides who runs. What no worker will ever
+take ends ERROR(no_worker) with the queue's name.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from shared.db.models import Job, QueueSeen, Sweep, utcnow
+from shared.enums import ErrorClass, JobState, Stage, SweepState, Verdict
+from shared.jobs.rules import close_unattended, job_report
+from shared.settings import Settings
+
+
+@dataclass(frozen=True)
+class Resend:
+    job_id: int
+    queue: str
+    stage: Stage
+
+
+@dataclass
+class Reconciled:
+    resend: list[Resend] = field(default_factory=list)
+    no_worker: list[int] = field(default_factory=list)  # jobs ended ERROR(no_worker)
+    sweeps: list[int] = field(default_factory=list)  # sweeps to send again
+
+    def summary(self) -> str:
+        stages = [r.stage.value for r in self.resend]
+        return (
+            f"re-sent {stages.count('accelerator')} accelerator and {stages.count('verdict')} verdict stages, "
+            f"{len(self.sweeps)} sweeps; {len(self.no_worker)} jobs ended ERROR(no_worker)"
+        )
+
+
+def mark_queue_live(session: Session, queue: str, now: dt.datetime | None = None) -> None:
+    """A live worker consumes ``queue`` (called from every worker's heartbeat)."""
+    now = now or utcnow()
+    if not session.execute(sa.update(QueueSeen).where(QueueSeen.queue == queue).values(last_live_at=now)).rowcount:
+        session.merge(QueueSeen(queue=queue, last_live_at=now))
+
+
+def reconcile(session: Session, settings: Settings, now: dt.datetime | None = None) -> Reconciled:
+    """What to re-send, and the jobs no worker will take (ended here, in the caller's transaction)."""
+    now = now or utcnow()
+    stale = now - dt.timedelta(seconds=settings.lease_timeout_s)
+    grace = now - dt.timedelta(seconds=settings.queue_grace_s)
+    out = Reconciled()
+    seen = dict(session.execute(sa.select(QueueSeen.queue, QueueSeen.last_live_at)).tuples().all())
+    lapsed = sa.and_(Job.lease_owner.is_not(None), Job.heartbeat_at < stale)
+    last_sent = sa.func.coalesce(Job.enqueued_at, Job.judging_at, Job.created_at)
+    waiting = sa.or_(
+        sa.and_(Job.state == JobState.queued, last_sent < grace),
+        sa.and_(Job.state == JobState.running, lapsed),
+        sa.and_(Job.state == JobState.judging, Job.lease_owner.is_(None), last_sent < grace),
+        sa.and_(Job.state == JobState.judging, lapsed),
+    )
+    for job in session.scalars(sa.select(Job).where(waiting).order_by(Job.id)):
+        stage = Stage.verdict if job.state == JobState.judging else Stage.accelerator
+        queue = job.verdict_queue if stage == Stage.verdict else job.queue
+        assert queue is not None
+        since = seen.get(queue) or job.judging_at or job.created_at
+        unserved = (now - since).total_seconds()
+        if unserved > settings.no_worker_after_s:
+            reason = (
+                f"no live worker has served {queue} for {unserved:.0f} s (SUPPORTMATRIX_NO_WORKER_AFTER_S="
+                f"{settings.no_worker_after_s:g}); the {stage.value} stage was never taken"
+            )
+            if close_unattended(session, job, job_report(job, Verdict.ERROR, ErrorClass.no_worker, reason)):
+                out.no_worker.append(job.id)
+            continue
+        out.resend.append(Resend(job.id, queue, stage))
+    if out.resend:
+        session.execute(sa.update(Job).where(Job.id.in_([r.job_id for r in out.resend])).values(enqueued_at=now))
+    sweep_stale = now - dt.timedelta(seconds=settings.sweep_lease_s)
+    out.sweeps = list(
+        session.scalars(
+            sa.select(Sweep.id).where(
+                sa.or_(
+                    sa.and_(Sweep.state == SweepState.queued, Sweep.created_at < grace),
+                    sa.and_(Sweep.state == SweepState.running, Sweep.claimed_at < sweep_stale),
+                )
+            )
+        )
+    )
+    return out
+
+
+def claim_sweep(session: Session, sweep_id: int, settings: Settings) -> bool:
+    """Take a sweep to run it: a queued one, or a running one whose claim is older than the sweep lease."""
+    now = utcnow()
+    stale = now - dt.timedelta(seconds=settings.sweep_lease_s)
+    takeable = sa.or_(
+        Sweep.state == SweepState.queued, sa.and_(Sweep.state == SweepState.running, Sweep.claimed_at < stale)
+    )
+    return bool(
+        session.execute(
+            sa.update(Sweep)
+            .where(Sweep.id == sweep_id, takeable)
+            .values(state=SweepState.running, claimed_at=now)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+    )

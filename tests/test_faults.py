@@ -1,0 +1,602 @@
+"""Faults with real processes: each ends with exactly one result row per job and every job in its final state,
+found and sent again within the lease timeout plus two reconciler periods.
+
+The module runs a stack of its own, so that it can break it: a redis-server it kills and restarts, a
+PostgreSQL schema of its own reached through a proxy it cuts, the reconciler on the locked beat scheduler, a
+control worker and a verdict worker — all with short timeouts. Accelerator workers are started per test, since
+every test breaks them differently. The suite's workers never see these jobs (another Redis, another schema),
+and this module's reconciler never sees theirs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import psutil
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from shared.db.models import Job, Result, Sweep, SweepEntry, utcnow
+from shared.enums import FINISHED_STATES, ErrorClass, JobState, Stage, SweepState
+from shared.jobs.rules import Attempt, attempts
+from shared.processes import free_port
+from shared.settings import Settings
+from testing.netns import NetnsHost
+from testing.redis_server import RedisServer
+from testing.services import port_answers
+from testing.tcp_proxy import Cut, TcpProxy
+from tests.conftest import PG_BASE, ROOT, RUN_DIR
+from tests.test_stages import frozen, runner_starts, stage_runner
+
+LEASE_S, HEARTBEAT_S, RECONCILE_S, GRACE_S, STALE_S = 6, 1, 2, 4, 5
+RECLAIM_S = LEASE_S + 2 * RECONCILE_S  # a lost job is running again within this of its loss
+STARTUP_S = 3  # a loaded 2-CPU machine's delay in starting the next attempt's process, on top of RECLAIM_S
+RUN_S = 90  # one job's two stages, start to end, on a loaded 2-CPU machine
+COMPILER = "eager-2.13.0+cpu"  # SUPPORTMATRIX_CPU_COMPILE_BACKEND=eager: no compile, no other module's queue
+ORG = "faults"
+HOST = "faults"  # this stack's host: its verdict queue is supportmatrix.verdict.faults
+SWEPT = [f"{ORG}/swept-{case}-{i}" for case in ("aof", "volatile") for i in (1, 2)]
+SHORT = {
+    "SUPPORTMATRIX_LEASE_TIMEOUT_S": str(LEASE_S),
+    "SUPPORTMATRIX_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
+    "SUPPORTMATRIX_RECONCILE_EVERY_S": str(RECONCILE_S),
+    "SUPPORTMATRIX_QUEUE_GRACE_S": str(GRACE_S),
+    "SUPPORTMATRIX_WORKER_STALE_S": str(STALE_S),
+    "SUPPORTMATRIX_JOB_TIMEOUT_S": "300",
+    "SUPPORTMATRIX_CPU_COMPILE_BACKEND": "eager",
+    "SUPPORTMATRIX_HOST_NAME": HOST,
+    "SUPPORTMATRIX_REMOTE_CODE_ORGS": json.dumps([ORG]),
+    # A sweep here is its pinned selection only: the models of both Redis restart cases (see that test).
+    "SUPPORTMATRIX_SWEEP_TASKS": "[]",
+    "SUPPORTMATRIX_SWEEP_SELECTED": json.dumps(SWEPT),
+}
+
+
+# --- processes ---------------------------------------------------------------------------------------------
+
+
+class Proc:
+    """A process of the stack in its own process group, its output in a log (``log``, read by the helpers of
+    tests.test_stages); ``prefix`` runs it elsewhere (inside a network namespace)."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], prefix: Sequence[str] = ()) -> None:
+        self.name = name
+        self.log = LOGS / f"{name}.log"
+        self.proc = subprocess.Popen(
+            [*prefix, *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=self.log.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, ready: Callable[[], bool], what: str, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.text()[-3000:]}")
+            if ready():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name}: {what} not within {timeout:.0f} s:\n{self.text()[-3000:]}")
+
+    def wait_logged(self, text: str, timeout: float = 90) -> None:
+        self.wait_for(lambda: text in self.text(), repr(text), timeout)
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group: the worker and its pool, as an OOM kill or a lost machine."""
+        if self.proc.poll() is None:
+            os.killpg(self.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+LOGS = Path(os.environ.get("FAULTS_LOGS_DEBUG", RUN_DIR / "faults-logs"))
+CELERY = [sys.executable, "-m", "celery", "-A", "services.worker.celery_app:app"]
+
+
+def worker_argv(name: str, cores: str | None) -> list[str]:
+    role = ["--cores", cores] if cores is not None else ["--verdict"]
+    return [sys.executable, "-m", "services.worker", "--name", name, *role, "--loglevel", "INFO"]
+
+
+# --- the stack ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    redis: RedisServer
+    db: TcpProxy  # every process of the stack reaches PostgreSQL through it; the test reads it directly
+    direct_url: str
+    env: dict[str, str]
+    settings: Settings  # the submitter's (this test process): the stack's URLs and short timeouts
+    engine: sa.Engine
+    procs: list[Proc] = field(default_factory=list)
+    verdicts: Proc | None = None  # this host's verdict worker
+
+    @property
+    def producer(self) -> Any:
+        from shared.jobs.broker import make_celery
+
+        return make_celery(self.settings, "faults-producer")
+
+    def session(self) -> Session:
+        return Session(self.engine, expire_on_commit=False)
+
+    def submit(self, model_id: str) -> int:
+        """One job for our compiler on one core, as POST /jobs makes it: committed, then enqueued."""
+        from shared.jobs.dispatch import commit_and_enqueue
+        from shared.jobs.submission import Request, submit_model
+
+        with self.session() as session:
+            request = Request(model_id, compilers=[COMPILER], cores=1, force=True)
+            [submitted] = submit_model(session, self.settings, request)
+            assert submitted.created and submitted.enqueue, f"{model_id}: an existing or settled job"
+            commit_and_enqueue(session, self.producer, [submitted])
+            return submitted.job.id
+
+    def job(self, job_id: int) -> Job:
+        with self.session() as session:
+            job = session.get(Job, job_id)
+            assert job is not None
+            return job
+
+    def rows(self, job_id: int) -> int:
+        with self.session() as session:
+            return int(session.scalar(sa.select(sa.func.count()).select_from(Result).where(Result.job_id == job_id)))
+
+    def wait_state(self, job_ids: Sequence[int], states: Sequence[JobState], timeout: float) -> list[Job]:
+        deadline = time.monotonic() + timeout
+        while True:
+            jobs = [self.job(i) for i in job_ids]
+            if all(j.state in states for j in jobs):
+                return jobs
+            if time.monotonic() > deadline:
+                seen = {j.id: (j.state.value, j.lease_owner, j.attempt_log) for j in jobs}
+                wanted = [s.value for s in states]
+                raise AssertionError(f"not all of {list(job_ids)} in {wanted} after {timeout} s: {seen}")
+            time.sleep(0.3)
+
+    def wait_final(self, job_ids: Sequence[int], timeout: float = RECLAIM_S + RUN_S) -> list[Job]:
+        return self.wait_state(job_ids, FINISHED_STATES, timeout)
+
+    def start_worker(self, name: str, cores: str | None = "0", prefix: Sequence[str] = (), **env: str) -> Proc:
+        proc = Proc(name, worker_argv(name, cores), {**self.env, **env}, prefix)
+        self.procs.append(proc)
+        return proc
+
+    def wait_serving(self, *workers: Proc) -> None:
+        """Each accelerator worker registered (it consumes its queue), each verdict worker ready."""
+        from shared.db.models import Worker
+
+        def registered(proc: Proc) -> bool:
+            with self.session() as session:
+                return session.scalar(sa.select(Worker.name).where(Worker.name.startswith(f"{proc.name}@"))) is not None
+
+        for proc in workers:
+            if "--verdict" in proc.proc.args:
+                proc.wait_logged(" ready.")
+            else:
+                proc.wait_for(lambda p=proc: registered(p), "registration")  # type: ignore[misc]
+
+
+def _schema_url(base: str, schema: str) -> str:
+    return f"{base}?options=-csearch_path%3D{schema}"
+
+
+@pytest.fixture(scope="module")
+def stack(hub: Any, tiny_models: Path) -> Iterator[Stack]:
+    import psycopg
+
+    from shared.db.engine import make_engine
+    from shared.db.migrate import upgrade
+
+    hub.add_dir(tiny_models, org=ORG)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    schema = f"faults_{uuid.uuid4().hex[:10]}"
+    admin = PG_BASE.replace("postgresql+psycopg", "postgresql")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    direct = _schema_url(PG_BASE, schema)
+    upgrade(direct)
+    pg = urlsplit(PG_BASE)
+    db = TcpProxy((pg.hostname or "127.0.0.1", pg.port or 5432)).start()
+    redis = RedisServer().start()
+    proxied = _schema_url(PG_BASE.replace(pg.netloc, f"{pg.username}@{db.address}"), schema)
+    data = RUN_DIR / "faults-data"
+    env = {**os.environ, **SHORT, "SUPPORTMATRIX_DATABASE_URL": proxied, "SUPPORTMATRIX_REDIS_URL": redis.url(),
+           "SUPPORTMATRIX_DATA_DIR": str(data)}  # fmt: skip
+    settings = Settings(database_url=direct, redis_url=redis.url(), data_dir=data, worker_stale_s=STALE_S,
+                        remote_code_orgs=[ORG])  # fmt: skip
+    built = Stack(redis, db, direct, env, settings, make_engine(direct))
+    try:
+        beat = Proc("beat", [*CELERY, "beat", "--scheduler", "services.worker.beat:LockedScheduler",
+                             "--schedule", str(LOGS / "beat-schedule"), "--loglevel", "INFO"], env)  # fmt: skip
+        control = Proc("control", [*CELERY, "worker", "--queues", "supportmatrix.control", "--pool", "solo",
+                                   "--hostname", "control-faults@%h", "--without-gossip", "--without-mingle",
+                                   "--loglevel", "INFO"], env)  # fmt: skip
+        built.procs += [beat, control]
+        built.verdicts = built.start_worker("v-faults", None)
+        control.wait_logged(" ready.")
+        built.wait_serving(built.verdicts)
+        yield built
+    finally:
+        for proc in reversed(built.procs):
+            proc.stop()
+        db.stop()
+        redis.stop()
+        built.engine.dispose()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+@pytest.fixture
+def workers(stack: Stack) -> Iterator[Callable[..., Proc]]:
+    """Start accelerator workers (``cores``) or verdict workers (``cores=None``) for one test; stopped after it."""
+    mine: list[Proc] = []
+
+    def start(name: str, cores: str | None = "0", **env: str) -> Proc:
+        proc = stack.start_worker(name, cores, **env)
+        mine.append(proc)
+        return proc
+
+    yield start
+    for proc in mine:
+        proc.stop()
+        stack.procs.remove(proc)
+
+
+# --- what the tests read -------------------------------------------------------------------------------------
+
+
+def accelerator_attempts(job: Job) -> list[Attempt]:
+    return [a for a in attempts(job) if a.stage == Stage.accelerator]
+
+
+def assert_ended_once(stack: Stack, job: Job, state: JobState = JobState.done) -> None:
+    assert job.state == state, (job.state, job.error_class, job.error_message)
+    assert stack.rows(job.id) == 1
+    assert all(a.ended is not None for a in attempts(job)), attempts(job)  # no attempt is left open
+
+
+def assert_reclaimed_in_time(job: Job, lost_at: dt.datetime) -> None:
+    """The job's next accelerator attempt began within the lease timeout and two reconciler periods of its loss."""
+    later = [a for a in accelerator_attempts(job) if a.started_at > lost_at]
+    assert later, f"no attempt began after the loss at {lost_at}: {attempts(job)}"
+    took = (later[0].started_at - lost_at).total_seconds()
+    assert took <= RECLAIM_S + STARTUP_S, f"taken again {took:.1f} s after the loss: {attempts(job)}"
+
+
+def gone(pid: int, timeout: float = 10) -> bool:
+    """The process group ``pid`` leads has no process left (zombies aside)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in psutil.process_iter(["pid", "status"]) if _in_group(p, pid)]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _in_group(process: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return False
+
+
+# --- the tests -----------------------------------------------------------------------------------------------
+
+
+def test_a_pool_child_killed_mid_run_is_taken_over_at_once_and_ends_once(stack: Stack, workers: Any) -> None:
+    """The lonely case of issue 8: one job, nothing else queued, the worker's pool child SIGKILLed mid-run."""
+    worker = workers("f-poolkill")
+    stack.wait_serving(worker)
+    job_id = stack.submit(f"{ORG}/tiny-llama")
+    runner = stage_runner(worker, job_id, "accelerator")
+    pool_child = runner.parent()
+    assert pool_child is not None and pool_child.pid != worker.pid
+    lost_at = utcnow()
+    pool_child.kill()
+    assert gone(runner.pid), "the runner outlived its worker"  # the parent-death signal took its whole group
+    [job] = stack.wait_final([job_id])
+    assert_ended_once(stack, job)
+    assert job.attempts == 2 and job.verdict_attempts == 1
+    first, second = accelerator_attempts(job)
+    assert first.ended == "lost: its process died" and second.ended.startswith("done")  # type: ignore[union-attr]
+    assert_reclaimed_in_time(job, lost_at)
+    assert runner_starts(worker, job_id, "accelerator") == 2
+    assert worker.proc.poll() is None  # the worker itself lives on, with a new pool child
+
+
+def test_a_worker_killed_whole_is_reclaimed_by_another_after_its_lease_lapses(stack: Stack, workers: Any) -> None:
+    """SIGKILL of the worker's whole process group: its message stays unacknowledged in Redis (for the
+    visibility timeout), so only the reconciler, once the lease lapsed, sends the job to the other worker."""
+    first = workers("f-whole-1")
+    stack.wait_serving(first)
+    job_id = stack.submit(f"{ORG}/tiny-qwen3")
+    runner = stage_runner(first, job_id, "accelerator")
+    replacement = workers("f-whole-2")  # on the same queue; idle, since prefetch is one message per process
+    stack.wait_serving(replacement)
+    assert stack.job(job_id).state == JobState.running
+    lost_at = utcnow()
+    first.kill()
+    assert gone(runner.pid), "the runner outlived its worker"
+    [job] = stack.wait_final([job_id])
+    assert_ended_once(stack, job)
+    assert job.attempts == 2 and job.verdict_attempts == 1
+    lost, taken = accelerator_attempts(job)
+    assert lost.owner.startswith("f-whole-1@") and lost.ended and lost.ended.startswith("lost")
+    assert taken.owner.startswith("f-whole-2@")
+    assert_reclaimed_in_time(job, lost_at)
+    assert runner_starts(first, job_id, "accelerator") == 1 and runner_starts(replacement, job_id, "accelerator") == 1
+    assert stack.verdicts is not None and runner_starts(stack.verdicts, job_id, "verdict") == 1
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["aof", "no-persistence"])
+def test_a_redis_restart_mid_sweep_loses_no_job(
+    stack: Stack, workers: Any, hub: Any, tiny_models: Path, persistent: bool
+) -> None:
+    """Redis killed and started again while a sweep's first job runs and its second waits in the queue:
+    with an append-only file the messages survive; without, both are lost and the reconciler sends them again."""
+    case = "aof" if persistent else "volatile"
+    stack.redis.kill()
+    stack.redis.forget()
+    stack.redis.start(persistent)  # this case's Redis, before the sweep; the stack reconnects
+    for i, model in enumerate(("tiny-llama", "tiny-gpt2"), start=1):
+        hub.add(f"{ORG}/swept-{case}-{i}", tiny_models / model)  # the other case's models are not on the Hub yet
+    worker = workers(f"f-redis-{case}")
+    stack.wait_serving(worker)
+    from shared.jobs.broker import request_sweep
+    from shared.jobs.sweeps import open_sweep
+
+    with stack.session() as session:
+        sweep = open_sweep(session, stack.settings, "api")
+        assert sweep is not None
+        session.commit()
+        sweep_id = sweep.id
+    request_sweep(stack.producer, sweep_id)
+    job_ids = wait_sweep_jobs(stack, sweep_id, [f"{ORG}/swept-{case}-1", f"{ORG}/swept-{case}-2"])
+    running = stage_runner(worker, job_ids[0], "accelerator")  # the first runs; the second waits behind it
+    assert stack.job(job_ids[1]).state == JobState.queued
+    stack.redis.kill()
+    if not persistent:
+        stack.redis.forget()
+    lost_at = utcnow()
+    stack.redis.start(persistent)
+    jobs = stack.wait_final(job_ids, timeout=RECLAIM_S + 2 * RUN_S)
+    for job in jobs:
+        assert_ended_once(stack, job)
+    if jobs[0].attempts > 1:
+        assert_reclaimed_in_time(jobs[0], lost_at)
+    assert gone(running.pid) or not running.is_running()
+    with stack.session() as session:
+        swept = session.get(Sweep, sweep_id)
+        assert swept is not None and swept.state == SweepState.done
+
+
+def wait_sweep_jobs(stack: Stack, sweep_id: int, models: list[str], timeout: float = 60) -> list[int]:
+    """The sweep's jobs of ``models``, in that order, once it made them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with stack.session() as session:
+            columns = (SweepEntry.model_id, SweepEntry.job_id, SweepEntry.created)
+            entries = session.execute(sa.select(*columns).where(SweepEntry.sweep_id == sweep_id)).all()
+        made = {model: job_id for model, job_id, created in entries if job_id is not None and created}
+        if all(m in made for m in models):
+            assert len(made) == len(models), entries  # the other case's models got no job
+            return [made[m] for m in models]
+        time.sleep(0.3)
+    raise AssertionError(f"sweep {sweep_id} made no jobs for {models} within {timeout} s")
+
+
+@pytest.fixture
+def api_on_proxy(stack: Stack) -> Iterator[str]:
+    """An API process whose database is reached through the stack's proxy."""
+    port = free_port()
+    api = Proc("api", [sys.executable, "-m", "uvicorn", "services.api.main:app", "--host", "127.0.0.1",
+                       "--port", str(port), "--log-level", "warning"], stack.env)  # fmt: skip
+    try:
+        api.wait_for(lambda: port_answers("127.0.0.1", port), "listening")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        api.stop()
+
+
+@pytest.mark.parametrize("outage_s", [3 * HEARTBEAT_S, LEASE_S + 2 * HEARTBEAT_S], ids=["blip", "past-the-lease"])
+def test_postgres_unreachable_mid_run_ends_the_job_once(
+    stack: Stack, workers: Any, api_on_proxy: str, outage_s: float
+) -> None:
+    """PostgreSQL cut off from every process of the stack for longer than two heartbeats while a runner runs.
+    A blip shorter than the lease is waited out (one attempt); past the lease, the worker kills its runner and
+    writes nothing, and the reconciler sends the job again once the database answers."""
+    worker = workers(f"f-pg-{outage_s:g}")
+    stack.wait_serving(worker)
+    job_id = stack.submit(f"{ORG}/tiny-gpt2")
+    runner = stage_runner(worker, job_id, "accelerator")
+    with frozen(runner):  # the job is mid-run for the whole outage
+        stack.db.cut(Cut.refuse)
+        lost_at = utcnow()
+        try:
+            during = httpx.get(f"{api_on_proxy}/jobs/{job_id}", timeout=30)
+            assert during.status_code == 503 and during.headers["Retry-After"], during.text
+            time.sleep(outage_s)
+        finally:
+            stack.db.restore()
+    [job] = stack.wait_final([job_id])
+    assert_ended_once(stack, job)
+    after = httpx.get(f"{api_on_proxy}/jobs/{job_id}", timeout=30)
+    assert after.status_code == 200 and after.json()["state"] == "done"
+    if outage_s < LEASE_S - HEARTBEAT_S:
+        assert job.attempts == 1, attempts(job)  # the lease was kept through the blip
+        assert runner_starts(worker, job_id, "accelerator") == 1
+    else:
+        assert job.attempts == 2, attempts(job)  # given up at the lease's end, taken again after the outage
+        assert gone(runner.pid)
+        assert_reclaimed_in_time(job, lost_at + dt.timedelta(seconds=outage_s))
+        assert runner_starts(worker, job_id, "accelerator") == 2
+
+
+def test_a_job_longer_than_the_visibility_timeout_runs_once(stack: Stack, workers: Any) -> None:
+    """Redis restores a message unacknowledged for longer than the visibility timeout (3 s here); the second
+    worker on the queue that gets it meets a live lease and waits its turn: one runner ever, one row."""
+    short = {"SUPPORTMATRIX_VISIBILITY_TIMEOUT_S": "3"}
+    first = workers("f-vis-1", **short)
+    stack.wait_serving(first)
+    job_id = stack.submit(f"{ORG}/tiny-llama")
+    runner = stage_runner(first, job_id, "accelerator")
+    with frozen(runner):
+        time.sleep(3.5)  # unacknowledged past the visibility timeout
+        # kombu restores visible messages when a consumer starts polling (then every 100 s): this one does
+        second = workers("f-vis-2", **short)
+        stack.wait_serving(second)
+        second.wait_logged(f"supportmatrix.run_job[job-{job_id}] received", timeout=30)
+        second.wait_logged(f"supportmatrix.run_job[job-{job_id}] retry", timeout=30)  # met the live lease
+    [job] = stack.wait_final([job_id])
+    assert_ended_once(stack, job)
+    assert job.attempts == 1 and accelerator_attempts(job)[0].owner.startswith("f-vis-1@")
+    assert runner_starts(first, job_id, "accelerator") + runner_starts(second, job_id, "accelerator") == 1
+
+
+def test_a_poison_model_that_kills_its_worker_ends_capped_and_the_queue_moves_on(stack: Stack, workers: Any) -> None:
+    """Loading faults/tiny-poison (trust_remote_code) SIGKILLs the worker's pool child every time: after
+    max_attempts deliveries it ends ERROR(worker_lost) listing each attempt, and the job behind it runs."""
+    worker = workers("f-poison", SUPPORTMATRIX_MAX_ATTEMPTS="2")
+    stack.wait_serving(worker)
+    poison_id = stack.submit(f"{ORG}/tiny-poison")
+    behind_id = stack.submit(f"{ORG}/tiny-gpt2")
+    poison, behind = stack.wait_final([poison_id, behind_id], timeout=RECLAIM_S + 2 * RUN_S)
+    assert_ended_once(stack, poison, JobState.failed)
+    assert poison.error_class == ErrorClass.worker_lost and poison.attempts == 2
+    tried = accelerator_attempts(poison)
+    assert [a.ended for a in tried] == ["lost: its process died"] * 2, tried
+    for attempt in tried:
+        assert attempt.owner in (poison.error_message or ""), poison.error_message
+    assert runner_starts(worker, poison_id, "accelerator") == 2
+    assert_ended_once(stack, behind)
+    assert worker.proc.poll() is None
+
+
+# --- two hosts -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Host:
+    """A machine of its own: a network namespace whose processes reach Redis, PostgreSQL and the Hub only
+    through proxies on its gateway, with its own name, data directory and Hub cache."""
+
+    name: str
+    netns: NetnsHost
+    proxies: list[TcpProxy]
+    env: dict[str, str]
+    accelerators: Proc | None = None
+    verdicts: Proc | None = None
+
+
+@pytest.fixture
+def two_hosts(stack: Stack, hub: Any) -> Iterator[list[Host]]:
+    hosts: list[Host] = []
+    try:
+        for index, label in enumerate("ab", start=1):
+            name = f"faults-{label}"
+            netns = NetnsHost(label, index=200 + index)
+            hosts.append(Host(name, netns, [], {}))
+            netns.create()
+            redis_proxy, db_proxy, hub_proxy = (
+                TcpProxy(("127.0.0.1", port), listen_host=netns.gateway).start()
+                for port in (stack.redis.port, stack.db.port, urlsplit(hub.url).port)
+            )
+            hosts[-1].proxies = [redis_proxy, db_proxy, hub_proxy]
+            root = RUN_DIR / f"faults-{name}"
+            hosts[-1].env = {
+                "SUPPORTMATRIX_HOST_NAME": name,
+                "SUPPORTMATRIX_DATA_DIR": str(root / "data"),
+                "HF_HOME": str(root / "hf-home"),
+                "HF_ENDPOINT": f"http://{hub_proxy.address}",
+                "SUPPORTMATRIX_REDIS_URL": f"redis://{redis_proxy.address}/0",
+                "SUPPORTMATRIX_DATABASE_URL": stack.env["SUPPORTMATRIX_DATABASE_URL"].replace(
+                    stack.db.address, db_proxy.address
+                ),
+            }
+        for host in hosts:
+            prefix = host.netns.command([])
+            host.accelerators = stack.start_worker(f"w-{host.name}", "0", prefix, **host.env)
+            host.verdicts = stack.start_worker(f"v-{host.name}", None, prefix, **host.env)
+        stack.wait_serving(*(p for h in hosts for p in (h.accelerators, h.verdicts) if p))
+        yield hosts
+    finally:
+        for host in hosts:
+            for proc in (host.accelerators, host.verdicts):
+                if proc is not None:
+                    proc.stop()
+                    stack.procs.remove(proc)
+            for proxy in host.proxies:
+                proxy.stop()
+            host.netns.remove()
+
+
+def test_a_host_cut_off_mid_job_is_reclaimed_by_the_other_host(stack: Stack, two_hosts: list[Host]) -> None:
+    """Two hosts, each with an accelerator and a verdict worker on the same Redis and PostgreSQL; the one
+    running the job loses its network. The other takes the job once the lease lapses, runs both stages at
+    home, and writes the one row; the cut host, back on the network, writes nothing."""
+    job_id = stack.submit(f"{ORG}/tiny-qwen3")
+    running, other = wait_running_host(two_hosts, job_id)
+    assert running.accelerators is not None and other.accelerators is not None and other.verdicts is not None
+    running.netns.cut()
+    lost_at = utcnow()
+    [job] = stack.wait_final([job_id])
+    assert_ended_once(stack, job)
+    lost, taken = accelerator_attempts(job)
+    assert f"@{running.name}:" in lost.owner and f"@{other.name}:" in taken.owner, attempts(job)
+    assert job.verdict_queue == f"supportmatrix.verdict.{other.name}"  # judged where its artifacts are
+    assert job.lease_owner and job.lease_owner.startswith(f"v-{other.name}@")
+    assert_reclaimed_in_time(job, lost_at)
+    assert runner_starts(other.accelerators, job_id, "accelerator") == 1
+    assert runner_starts(other.verdicts, job_id, "verdict") == 1
+    running.netns.restore()
+    # Back on the network, the cut host learns its lease is gone; it writes nothing and starts no verdict stage.
+    running.accelerators.wait_logged("lease lost", timeout=60)
+    assert stack.rows(job_id) == 1 and stack.job(job_id).state == JobState.done
+    assert running.verdicts is not None and runner_starts(running.verdicts, job_id, "verdict") == 0
+
+
+def wait_running_host(hosts: list[Host], job_id: int, timeout: float = 60) -> tuple[Host, Host]:
+    """The host whose accelerator worker runs the job, and the other one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for host in hosts:
+            assert host.accelerators is not None
+            if runner_starts(host.accelerators, job_id, "accelerator"):
+                stage_runner(host.accelerators, job_id, "accelerator", timeout=10)
+                return host, next(h for h in hosts if h is not host)
+        time.sleep(0.2)
+    raise AssertionError(f"no host started job {job_id} within {timeout} s")

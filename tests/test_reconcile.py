@@ -1,0 +1,93 @@
+"""The reconciler's rules on constructed states: what it re-sends, what it ends, what it leaves alone."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from shared.contracts import RuntimeInfo
+from shared.db.models import Job, Result, Sweep, utcnow
+from shared.enums import ErrorClass, JobState, Stage, SweepState
+from shared.hub.client import ResolvedModel
+from shared.jobs import rules as jobs
+from shared.jobs.reconcile import Resend, claim_sweep, mark_queue_live, reconcile
+from shared.settings import Settings
+
+RUNTIME = RuntimeInfo(backend="cpu", compiler_name="c", compiler_version="c-1", library_version="5", torch_version="2")
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(data_dir=tmp_path, lease_timeout_s=30, queue_grace_s=60, no_worker_after_s=600)
+
+
+def job(session: Session, name: str, age_s: float, **state: object) -> Job:
+    model = ResolvedModel(model_id=f"org/{name}", sha="a" * 40, gated=False, pipeline_tag=None)
+    [submitted] = jobs.submit(session, model, None, [RUNTIME])
+    created = utcnow() - dt.timedelta(seconds=age_s)
+    session.execute(sa.update(Job).where(Job.id == submitted.job.id).values(created_at=created, **state))
+    session.flush()
+    return submitted.job
+
+
+def ago(seconds: float) -> dt.datetime:
+    return utcnow() - dt.timedelta(seconds=seconds)
+
+
+def test_lost_messages_are_sent_again_and_live_work_is_left_alone(session: Session, settings: Settings) -> None:
+    queue = "supportmatrix.jobs.cpu.c-1.c1"
+    mark_queue_live(session, queue)
+    mark_queue_live(session, "supportmatrix.verdict.h")
+    waiting = job(session, "waiting", age_s=120)  # queued past the grace: its message may be lost
+    fresh = job(session, "fresh", age_s=5)
+    lapsed = job(session, "lapsed", 300, state=JobState.running, lease_owner="w@h:1", heartbeat_at=ago(40))
+    live = job(session, "live", 300, state=JobState.running, lease_owner="w@h:2", heartbeat_at=ago(1))
+    judging = job(session, "judging", 300, state=JobState.judging, verdict_queue="supportmatrix.verdict.h",
+                  judging_at=ago(90), enqueued_at=ago(90))  # fmt: skip
+    judged_live = job(session, "judged-live", 300, state=JobState.judging, verdict_queue="supportmatrix.verdict.h",
+                      lease_owner="v@h:3", heartbeat_at=ago(1), enqueued_at=ago(90))  # fmt: skip
+    found = reconcile(session, settings)
+    assert found.resend == [
+        Resend(waiting.id, queue, Stage.accelerator),
+        Resend(lapsed.id, queue, Stage.accelerator),
+        Resend(judging.id, "supportmatrix.verdict.h", Stage.verdict),
+    ]
+    assert found.no_worker == [] and {fresh.id, live.id, judged_live.id}.isdisjoint(r.job_id for r in found.resend)
+    session.commit()
+    # re-sent just now: not again until the grace passes once more
+    assert reconcile(session, settings).resend == [Resend(lapsed.id, queue, Stage.accelerator)]
+
+
+def test_jobs_of_a_queue_nobody_serves_end_no_worker_once(session: Session, settings: Settings) -> None:
+    orphan = job(session, "orphan", age_s=700)  # its queue never had a live worker
+    served_once = job(session, "served-once", age_s=700)
+    session.execute(sa.update(Job).where(Job.id == served_once.id).values(queue="supportmatrix.jobs.cpu.gone.c1"))
+    mark_queue_live(session, "supportmatrix.jobs.cpu.gone.c1", now=ago(650))
+    recently_served = job(session, "recent", age_s=700)
+    session.execute(sa.update(Job).where(Job.id == recently_served.id).values(queue="supportmatrix.jobs.cpu.ok.c1"))
+    mark_queue_live(session, "supportmatrix.jobs.cpu.ok.c1", now=ago(100))
+    found = reconcile(session, settings)
+    session.commit()
+    assert sorted(found.no_worker) == sorted([orphan.id, served_once.id])
+    assert [r.job_id for r in found.resend] == [recently_served.id]
+    for ended in (orphan, served_once):
+        row = session.get(Job, ended.id, populate_existing=True)
+        assert row.state == JobState.failed and row.error_class == ErrorClass.no_worker
+        assert row.queue in (row.error_message or "")
+        assert session.scalar(sa.select(sa.func.count()).select_from(Result).where(Result.job_id == ended.id)) == 1
+    assert reconcile(session, settings).no_worker == []  # ended once
+
+
+def test_a_sweep_whose_message_was_lost_is_sent_again_and_claimed_once(session: Session, settings: Settings) -> None:
+    lost = Sweep(trigger="api", state=SweepState.queued, config={}, created_at=ago(120))
+    stuck = Sweep(trigger="api", state=SweepState.running, config={}, created_at=ago(2000), claimed_at=ago(1000))
+    running = Sweep(trigger="api", state=SweepState.running, config={}, created_at=ago(100), claimed_at=ago(10))
+    session.add_all([lost, stuck, running])
+    session.flush()
+    assert sorted(reconcile(session, settings).sweeps) == sorted([lost.id, stuck.id])
+    assert claim_sweep(session, lost.id, settings) and not claim_sweep(session, lost.id, settings)
+    assert claim_sweep(session, stuck.id, settings) and not claim_sweep(session, running.id, settings)
