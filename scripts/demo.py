@@ -1,7 +1,8 @@
 """The main job on embedded defaults, end to end on real parts (`bash scripts/demo.sh`).
 
 Uses the Redis that answers at the configured URL or starts one, SQLite under .data/demo, starts the API
-(uvicorn), one job worker and a collector, builds tiny checkpoints and serves them through the local Hub
+(uvicorn), the host launcher (its workers of both stages), a collector and beat (the reconciler), builds
+tiny checkpoints and serves them through the local Hub
 stand-in, creates an admin token (`python -m services.api.tokens create`), submits the models with it
 through POST /jobs, shows progress, prints the results table and the Parquet path, then stops everything
 it started. Exit status 0 when every model ends PASS.
@@ -92,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             spawn(
                 logs / "collector.log", "-m", "celery", "-A", "services.worker.celery_app:app", "worker",
                 "--queues", "supportmatrix.control", "--pool", "solo", "--hostname", "demo-collector@%h",
+            ),
+            # beat sends the reconciler: whatever a lost message strands is sent again
+            spawn(
+                logs / "beat.log", "-m", "celery", "-A", "services.worker.celery_app:app", "beat",
+                "--scheduler", "services.worker.beat:LockedScheduler", "--schedule", str(data_dir / "beat-schedule"),
             ),
         ]  # fmt: skip
         api = f"http://127.0.0.1:{api_port}"

@@ -87,7 +87,7 @@ class Repo:
         except (OSError, ValueError):
             return {}
         # The Hub's model_info carries a small subset of config.json, as here.
-        return {k: full[k] for k in ("architectures", "model_type") if k in full}
+        return {k: full[k] for k in ("architectures", "model_type", "auto_map") if k in full}
 
     def safetensors(self, files: list[FileEntry]) -> dict[str, Any] | None:
         params: dict[str, int] = {}

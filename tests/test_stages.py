@@ -3,12 +3,14 @@ runs on the host's CPUs, and a verdict stage lost with its worker is retried fro
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -137,11 +139,30 @@ def test_a_hosts_verdict_stage_runs_there_and_only_the_judge_holds_its_token(api
         # the judge stage, a process of its own that loads no checkpoint, is the one that held the token
         assert [r["auth"] for r in endpoint.requests] == ["Bearer judge-secret"] * 2
         assert runner_starts(verdicts, job["id"], "judge") == 1
+        assert_no_secret_anywhere(list(secrets.values()), row, [accelerators.log, verdicts.log])
     finally:
         endpoint.server.shutdown()
 
 
-def test_artifacts_go_with_the_row_and_a_fails_stay_until_retention(api: Any, start_worker: Any) -> None:
+def assert_no_secret_anywhere(secrets: list[str], row: dict[str, Any], logs: list[Path]) -> None:
+    """No token in the result row (its reproduce command included), the Parquet export, logs or data files."""
+    import pandas as pd
+
+    from services.worker.collector import export_once
+    from shared.settings import get_settings
+
+    export_once()
+    settings = get_settings()
+    exported = pd.concat(pd.read_parquet(p) for p in settings.export_path.rglob("*.parquet"))
+    texts = [json.dumps(row), exported.to_csv()]
+    texts += [p.read_text(errors="replace") for p in logs]
+    kept = [settings.data_dir / "artifacts", settings.export_path]  # what jobs leave on disk
+    texts += [p.read_text(errors="replace") for root in kept for p in root.rglob("*") if p.is_file()]
+    leaks = [s for s in secrets for text in texts if s in text]
+    assert leaks == [] and "python -m services.runner" in row["reproduce"]
+
+
+def test_artifacts_go_with_the_row_and_a_fails_stay_until_retention(api: Any, worker: Any, start_worker: Any) -> None:
     from shared.settings import get_settings
 
     artifacts = get_settings().data_dir / "artifacts"
@@ -158,6 +179,6 @@ def test_artifacts_go_with_the_row_and_a_fails_stay_until_retention(api: Any, st
     kept = artifacts / f"job-{failed['id']}"
     assert (kept / "accelerator.json").exists() and (kept / "prefill-logits.npy").exists()  # for inspection
     assert (kept / "verdict.json").exists() and not expired.exists()
-    [passed] = submit(api, "stage/tiny-gpt2", force=True)
+    [passed] = submit(api, "stage/tiny-gpt2", force=True, compilers=["aot_eager-2.13.0+cpu"])
     assert wait_for_job(api, passed["id"], FINISHED)["state"] == "done"
     assert not (artifacts / f"job-{passed['id']}").exists()  # a PASS leaves nothing behind

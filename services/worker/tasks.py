@@ -59,7 +59,11 @@ def dead_local_owner(job: Job | None, settings: Settings) -> str | None:
     where, _, pid = owner.rpartition(":")
     if where.rpartition("@")[2] != settings.host_name or not pid.isdigit():
         return None
-    return None if psutil.pid_exists(int(pid)) else owner
+    try:  # a reused pid is not our worker: only a live worker process keeps the lease
+        alive = "services.worker" in " ".join(psutil.Process(int(pid)).cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        alive = False
+    return None if alive else owner
 
 
 def durably(settings: Settings, work: Callable[[Session], Result]) -> Result:
