@@ -100,12 +100,15 @@ def _model_info_cache() -> TTLCache[tuple[str, str | None], ResolvedModel]:
 _model_info_lock = threading.Lock()
 
 
-def resolve_model(model_id: str, revision: str | None = None, timeout_s: float | None = None) -> ResolvedModel:
-    """The commit a (model, revision) points at, as the Hub said at most ``hub_info_cache_s`` ago; raises a
-    HubError subclass with a reason. ``timeout_s`` defaults to ``hub_timeout_s``."""
+def resolve_model(
+    model_id: str, revision: str | None = None, timeout_s: float | None = None, fresh: bool = False
+) -> ResolvedModel:
+    """The commit a (model, revision) points at, as the Hub said at most ``hub_info_cache_s`` ago (``fresh``:
+    now — a sweep must see a commit pushed a minute ago); raises a HubError subclass with a reason.
+    ``timeout_s`` defaults to ``hub_timeout_s``."""
     cache = _model_info_cache()
     with _model_info_lock:
-        cached = cache.get((model_id, revision))
+        cached = None if fresh else cache.get((model_id, revision))
     if cached is not None:
         return cached
     model = _fetch_model_info(model_id, revision, timeout_s or get_settings().hub_timeout_s)

@@ -38,6 +38,7 @@ class Request:
     force: bool = False
     task: Task | None = None
     cores: int | None = None  # None: sized from the Hub's metadata
+    fresh: bool = False  # ask the Hub now rather than take its answer of the last few minutes (sweeps)
 
 
 def choose_task(model: ResolvedModel, requested: Task | None) -> Task:
@@ -54,7 +55,7 @@ def choose_task(model: ResolvedModel, requested: Task | None) -> Task:
 
 def submit_model(session: Session, settings: Settings, request: Request) -> list[jobs.Submitted]:
     """Insert (or find) the jobs of a request. Raises the Hub's, the planner's and the task's refusals."""
-    model = resolve_model(request.model_id, request.revision)
+    model = resolve_model(request.model_id, request.revision, fresh=request.fresh)
     task = choose_task(model, request.task)
     runtimes = jobs.plan_runtimes(session, settings, request.compilers)
     cores, refusal = request.cores, None

@@ -77,7 +77,7 @@ def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.S
         key = (c.model_id, c.task)
         if key not in submitted_before:
             try:
-                submitted = submit_model(session, settings, Request(c.model_id, task=Task(c.task)))
+                submitted = submit_model(session, settings, Request(c.model_id, task=Task(c.task), fresh=True))
                 submitted_before[key] = (submitted, None)
             except (ModelNotFound, RevisionNotFound, ValueError, jobs.NoRuntime) as exc:  # ValueError: task, compiler
                 submitted_before[key] = ([], str(exc))
@@ -119,7 +119,9 @@ def rerun_flipped_cells(session: Session, settings: Settings, sweep: Sweep) -> l
             continue
         if cell.compiler_version not in served:
             continue
-        request = Request(cell.model_id, task=Task(cell.task), compilers=[cell.compiler_version], force=True)
+        request = Request(
+            cell.model_id, task=Task(cell.task), compilers=[cell.compiler_version], force=True, fresh=True
+        )
         candidate = Candidate(cell.model_id, cell.task, "rerun", 0)
         try:
             submitted = submit_model(session, settings, request)
