@@ -3,7 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
-# torch==2.13.0 first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "is ignored: it is neither" || true
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "is ignored: it is neither" || true
+# torch first, pinned by constraints/cpu.txt (as in the cpu image): an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/pip install -q --disable-pip-version-check -c constraints/cpu.txt torch 2>&1 | grep -v "is ignored: it is neither" || true
+.venv/bin/pip install -q --disable-pip-version-check -c constraints/cpu.txt -e '.[test]' 2>&1 | grep -v "is ignored: it is neither" || true
+# tests/test_deploy.py validates docker-compose.yml with Debian's docker-compose (v1; no daemon needed).
+if ! command -v docker-compose >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
+fi
 .venv/bin/python -c "import torch, transformers, celery, fastapi; print('torch', torch.__version__, '| transformers', transformers.__version__)"
