@@ -137,7 +137,7 @@ def get_settings() -> Settings:
 # publish token or the judge's token: a child loads checkpoints that nobody here wrote.
 RUNNER_SETTINGS = frozenset(
     {
-        "data_dir", "backend", "cache_dir", "cpu_compile_backend", "job_timeout_s", "core_memory_gib",
+        "data_dir", "backend", "host_name", "cache_dir", "cpu_compile_backend", "job_timeout_s", "core_memory_gib",
         "moe_parallelism", "judge_kind", "judge_model", "judge_url", "judge_loglik_slack", "cpu_fault",
         "cpu_threads", "compile_cache_remote", "compile_cache_push", "compile_cache_token", "hub_retry_delays_s",
     }

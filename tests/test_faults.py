@@ -10,7 +10,9 @@ and this module's reconciler never sees theirs.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import functools
 import json
 import os
 import signal
@@ -32,7 +34,11 @@ from sqlalchemy.orm import Session
 
 from shared.db.models import Job, Result, Sweep, SweepEntry, utcnow
 from shared.enums import FINISHED_STATES, ErrorClass, JobState, Stage, SweepState
+from shared.jobs.broker import make_celery, request_sweep
+from shared.jobs.dispatch import commit_and_enqueue
 from shared.jobs.rules import Attempt, attempts
+from shared.jobs.submission import Request, submit_model
+from shared.jobs.sweeps import open_sweep
 from shared.processes import free_port
 from shared.settings import Settings
 from testing.netns import NetnsHost
@@ -47,9 +53,14 @@ RECLAIM_S = LEASE_S + 2 * RECONCILE_S  # a lost job is running again within this
 STARTUP_S = 3  # a loaded 2-CPU machine's delay in starting the next attempt's process, on top of RECLAIM_S
 RUN_S = 90  # one job's two stages, start to end, on a loaded 2-CPU machine
 COMPILER = "eager-2.13.0+cpu"  # SUPPORTMATRIX_CPU_COMPILE_BACKEND=eager: no compile, no other module's queue
+# The stack's logs (each process's output); set SUPPORTMATRIX_TEST_FAULT_LOGS to keep them after the run.
+LOGS = Path(os.environ.get("SUPPORTMATRIX_TEST_FAULT_LOGS", RUN_DIR / "faults-logs"))
 ORG = "faults"
 HOST = "faults"  # this stack's host: its verdict queue is supportmatrix.verdict.faults
-SWEPT = [f"{ORG}/swept-{case}-{i}" for case in ("aof", "volatile") for i in (1, 2)]
+# A Redis restart's cases: with persistence, the lonely case (one running job, nothing else queued); without,
+# issue 8's reproduction (one job running, one waiting behind it).
+SWEEPS = {"aof": ["tiny-gpt2"], "volatile": ["tiny-gpt2", "tiny-qwen3"]}
+SWEPT = [f"{ORG}/swept-{case}-{i}" for case, models in SWEEPS.items() for i in range(1, len(models) + 1)]
 SHORT = {
     "SUPPORTMATRIX_LEASE_TIMEOUT_S": str(LEASE_S),
     "SUPPORTMATRIX_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
@@ -112,15 +123,22 @@ class Proc:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_all([self])
 
 
-LOGS = Path(os.environ.get("FAULTS_LOGS_DEBUG", RUN_DIR / "faults-logs"))
+def stop_all(procs: Sequence[Proc], timeout: float = 20) -> None:
+    """SIGTERM to each (a warm shutdown: workers deregister), all at once; SIGKILL to what outlives ``timeout``."""
+    for proc in procs:
+        if proc.proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 CELERY = [sys.executable, "-m", "celery", "-A", "services.worker.celery_app:app"]
 
 
@@ -136,17 +154,14 @@ def worker_argv(name: str, cores: str | None) -> list[str]:
 class Stack:
     redis: RedisServer
     db: TcpProxy  # every process of the stack reaches PostgreSQL through it; the test reads it directly
-    direct_url: str
     env: dict[str, str]
     settings: Settings  # the submitter's (this test process): the stack's URLs and short timeouts
     engine: sa.Engine
     procs: list[Proc] = field(default_factory=list)
     verdicts: Proc | None = None  # this host's verdict worker
 
-    @property
+    @functools.cached_property
     def producer(self) -> Any:
-        from shared.jobs.broker import make_celery
-
         return make_celery(self.settings, "faults-producer")
 
     def session(self) -> Session:
@@ -154,9 +169,6 @@ class Stack:
 
     def submit(self, model_id: str) -> int:
         """One job for our compiler on one core, as POST /jobs makes it: committed, then enqueued."""
-        from shared.jobs.dispatch import commit_and_enqueue
-        from shared.jobs.submission import Request, submit_model
-
         with self.session() as session:
             request = Request(model_id, compilers=[COMPILER], cores=1, force=True)
             [submitted] = submit_model(session, self.settings, request)
@@ -206,7 +218,7 @@ class Stack:
             if "--verdict" in proc.proc.args:
                 proc.wait_logged(" ready.")
             else:
-                proc.wait_for(lambda p=proc: registered(p), "registration")  # type: ignore[misc]
+                proc.wait_for(functools.partial(registered, proc), "registration")
 
 
 def _schema_url(base: str, schema: str) -> str:
@@ -224,21 +236,31 @@ def stack(hub: Any, tiny_models: Path) -> Iterator[Stack]:
     LOGS.mkdir(parents=True, exist_ok=True)
     schema = f"faults_{uuid.uuid4().hex[:10]}"
     admin = PG_BASE.replace("postgresql+psycopg", "postgresql")
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    direct = _schema_url(PG_BASE, schema)
-    upgrade(direct)
     pg = urlsplit(PG_BASE)
-    db = TcpProxy((pg.hostname or "127.0.0.1", pg.port or 5432)).start()
-    redis = RedisServer().start()
-    proxied = _schema_url(PG_BASE.replace(pg.netloc, f"{pg.username}@{db.address}"), schema)
-    data = RUN_DIR / "faults-data"
-    env = {**os.environ, **SHORT, "SUPPORTMATRIX_DATABASE_URL": proxied, "SUPPORTMATRIX_REDIS_URL": redis.url(),
-           "SUPPORTMATRIX_DATA_DIR": str(data)}  # fmt: skip
-    settings = Settings(database_url=direct, redis_url=redis.url(), data_dir=data, worker_stale_s=STALE_S,
-                        remote_code_orgs=[ORG])  # fmt: skip
-    built = Stack(redis, db, direct, env, settings, make_engine(direct))
-    try:
+    with contextlib.ExitStack() as cleanup:  # undone in reverse, whatever happens
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+
+        def drop_schema() -> None:
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+        cleanup.callback(drop_schema)
+        direct = _schema_url(PG_BASE, schema)
+        upgrade(direct)
+        db = TcpProxy((pg.hostname or "127.0.0.1", pg.port or 5432)).start()
+        cleanup.callback(db.stop)
+        redis = RedisServer().start()
+        cleanup.callback(redis.stop)
+        proxied = _schema_url(PG_BASE.replace(pg.netloc, f"{pg.username}@{db.address}"), schema)
+        data = RUN_DIR / "faults-data"
+        env = {**os.environ, **SHORT, "SUPPORTMATRIX_DATABASE_URL": proxied, "SUPPORTMATRIX_REDIS_URL": redis.url(),
+               "SUPPORTMATRIX_DATA_DIR": str(data)}  # fmt: skip
+        settings = Settings(database_url=direct, redis_url=redis.url(), data_dir=data, worker_stale_s=STALE_S,
+                            remote_code_orgs=[ORG])  # fmt: skip
+        built = Stack(redis, db, env, settings, make_engine(direct))
+        cleanup.callback(built.engine.dispose)
+        cleanup.callback(lambda: stop_all(built.procs))
         beat = Proc("beat", [*CELERY, "beat", "--scheduler", "services.worker.beat:LockedScheduler",
                              "--schedule", str(LOGS / "beat-schedule"), "--loglevel", "INFO"], env)  # fmt: skip
         control = Proc("control", [*CELERY, "worker", "--queues", "supportmatrix.control", "--pool", "solo",
@@ -249,14 +271,6 @@ def stack(hub: Any, tiny_models: Path) -> Iterator[Stack]:
         control.wait_logged(" ready.")
         built.wait_serving(built.verdicts)
         yield built
-    finally:
-        for proc in reversed(built.procs):
-            proc.stop()
-        db.stop()
-        redis.stop()
-        built.engine.dispose()
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 @pytest.fixture
@@ -270,8 +284,8 @@ def workers(stack: Stack) -> Iterator[Callable[..., Proc]]:
         return proc
 
     yield start
+    stop_all(mine)
     for proc in mine:
-        proc.stop()
         stack.procs.remove(proc)
 
 
@@ -321,7 +335,7 @@ def test_a_pool_child_killed_mid_run_is_taken_over_at_once_and_ends_once(stack: 
     """The lonely case of issue 8: one job, nothing else queued, the worker's pool child SIGKILLed mid-run."""
     worker = workers("f-poolkill")
     stack.wait_serving(worker)
-    job_id = stack.submit(f"{ORG}/tiny-llama")
+    job_id = stack.submit(f"{ORG}/tiny-gpt2")
     runner = stage_runner(worker, job_id, "accelerator")
     pool_child = runner.parent()
     assert pool_child is not None and pool_child.pid != worker.pid
@@ -332,7 +346,7 @@ def test_a_pool_child_killed_mid_run_is_taken_over_at_once_and_ends_once(stack: 
     assert_ended_once(stack, job)
     assert job.attempts == 2 and job.verdict_attempts == 1
     first, second = accelerator_attempts(job)
-    assert first.ended == "lost: its process died" and second.ended.startswith("done")  # type: ignore[union-attr]
+    assert first.ended == "lost: its process died" and (second.ended or "").startswith("done"), attempts(job)
     assert_reclaimed_in_time(job, lost_at)
     assert runner_starts(worker, job_id, "accelerator") == 2
     assert worker.proc.poll() is None  # the worker itself lives on, with a new pool child
@@ -343,7 +357,7 @@ def test_a_worker_killed_whole_is_reclaimed_by_another_after_its_lease_lapses(st
     visibility timeout), so only the reconciler, once the lease lapsed, sends the job to the other worker."""
     first = workers("f-whole-1")
     stack.wait_serving(first)
-    job_id = stack.submit(f"{ORG}/tiny-qwen3")
+    job_id = stack.submit(f"{ORG}/tiny-gpt2")
     runner = stage_runner(first, job_id, "accelerator")
     replacement = workers("f-whole-2")  # on the same queue; idle, since prefetch is one message per process
     stack.wait_serving(replacement)
@@ -366,42 +380,52 @@ def test_a_worker_killed_whole_is_reclaimed_by_another_after_its_lease_lapses(st
 def test_a_redis_restart_mid_sweep_loses_no_job(
     stack: Stack, workers: Any, hub: Any, tiny_models: Path, persistent: bool
 ) -> None:
-    """Redis killed and started again while a sweep's first job runs and its second waits in the queue:
-    with an append-only file the messages survive; without, both are lost and the reconciler sends them again."""
+    """Redis killed and started again while a sweep's first job runs (and, without persistence, its second waits
+    in the queue): with an append-only file the messages survive; without, they are lost and the reconciler
+    sends the jobs again."""
     case = "aof" if persistent else "volatile"
     stack.redis.kill()
     stack.redis.forget()
     stack.redis.start(persistent)  # this case's Redis, before the sweep; the stack reconnects
-    for i, model in enumerate(("tiny-llama", "tiny-gpt2"), start=1):
-        hub.add(f"{ORG}/swept-{case}-{i}", tiny_models / model)  # the other case's models are not on the Hub yet
+    swept = [f"{ORG}/swept-{case}-{i}" for i in range(1, len(SWEEPS[case]) + 1)]
+    for repo, model in zip(swept, SWEEPS[case], strict=True):
+        hub.add(repo, tiny_models / model)  # only this case's models are on the Hub: the others get no job
+    try:
+        sweep_through_a_redis_restart(stack, workers, case, swept)
+    finally:
+        for repo in swept:
+            hub.repos.pop(repo, None)
+
+
+def sweep_through_a_redis_restart(stack: Stack, workers: Any, case: str, swept: list[str]) -> None:
+    persistent = case == "aof"
     worker = workers(f"f-redis-{case}")
     stack.wait_serving(worker)
-    from shared.jobs.broker import request_sweep
-    from shared.jobs.sweeps import open_sweep
-
     with stack.session() as session:
         sweep = open_sweep(session, stack.settings, "api")
         assert sweep is not None
         session.commit()
         sweep_id = sweep.id
     request_sweep(stack.producer, sweep_id)
-    job_ids = wait_sweep_jobs(stack, sweep_id, [f"{ORG}/swept-{case}-1", f"{ORG}/swept-{case}-2"])
-    running = stage_runner(worker, job_ids[0], "accelerator")  # the first runs; the second waits behind it
-    assert stack.job(job_ids[1]).state == JobState.queued
+    job_ids = wait_sweep_jobs(stack, sweep_id, swept)
+    stage_runner(worker, job_ids[0], "accelerator")  # the first runs; any other waits behind it
+    assert all(stack.job(i).state == JobState.queued for i in job_ids[1:])
     stack.redis.kill()
     if not persistent:
         stack.redis.forget()
     lost_at = utcnow()
     stack.redis.start(persistent)
-    jobs = stack.wait_final(job_ids, timeout=RECLAIM_S + 2 * RUN_S)
-    for job in jobs:
+    first, *behind = stack.wait_final(job_ids, timeout=RECLAIM_S + len(job_ids) * RUN_S)
+    for job in (first, *behind):
         assert_ended_once(stack, job)
-    if jobs[0].attempts > 1:
-        assert_reclaimed_in_time(jobs[0], lost_at)
-    assert gone(running.pid) or not running.is_running()
+    # The running one may be run again (a worker cancels its running tasks when the broker goes away);
+    # one that waited runs once, whether its message survived or the reconciler sent it again.
+    assert first.attempts <= 2 and all(j.attempts == 1 for j in behind), [attempts(j) for j in (first, *behind)]
+    if first.attempts == 2:
+        assert_reclaimed_in_time(first, lost_at)
     with stack.session() as session:
-        swept = session.get(Sweep, sweep_id)
-        assert swept is not None and swept.state == SweepState.done
+        record = session.get(Sweep, sweep_id)
+        assert record is not None and record.state == SweepState.done
 
 
 def wait_sweep_jobs(stack: Stack, sweep_id: int, models: list[str], timeout: float = 60) -> list[int]:
@@ -445,13 +469,13 @@ def test_postgres_unreachable_mid_run_ends_the_job_once(
     runner = stage_runner(worker, job_id, "accelerator")
     with frozen(runner):  # the job is mid-run for the whole outage
         stack.db.cut(Cut.refuse)
-        lost_at = utcnow()
         try:
             during = httpx.get(f"{api_on_proxy}/jobs/{job_id}", timeout=30)
             assert during.status_code == 503 and during.headers["Retry-After"], during.text
             time.sleep(outage_s)
         finally:
             stack.db.restore()
+        restored_at = utcnow()  # nothing can take the job over while nothing reaches the database
     [job] = stack.wait_final([job_id])
     assert_ended_once(stack, job)
     after = httpx.get(f"{api_on_proxy}/jobs/{job_id}", timeout=30)
@@ -462,7 +486,7 @@ def test_postgres_unreachable_mid_run_ends_the_job_once(
     else:
         assert job.attempts == 2, attempts(job)  # given up at the lease's end, taken again after the outage
         assert gone(runner.pid)
-        assert_reclaimed_in_time(job, lost_at + dt.timedelta(seconds=outage_s))
+        assert_reclaimed_in_time(job, restored_at)
         assert runner_starts(worker, job_id, "accelerator") == 2
 
 
@@ -472,7 +496,7 @@ def test_a_job_longer_than_the_visibility_timeout_runs_once(stack: Stack, worker
     short = {"SUPPORTMATRIX_VISIBILITY_TIMEOUT_S": "3"}
     first = workers("f-vis-1", **short)
     stack.wait_serving(first)
-    job_id = stack.submit(f"{ORG}/tiny-llama")
+    job_id = stack.submit(f"{ORG}/tiny-gpt2")
     runner = stage_runner(first, job_id, "accelerator")
     with frozen(runner):
         time.sleep(3.5)  # unacknowledged past the visibility timeout
@@ -485,24 +509,39 @@ def test_a_job_longer_than_the_visibility_timeout_runs_once(stack: Stack, worker
     assert_ended_once(stack, job)
     assert job.attempts == 1 and accelerator_attempts(job)[0].owner.startswith("f-vis-1@")
     assert runner_starts(first, job_id, "accelerator") + runner_starts(second, job_id, "accelerator") == 1
+    # The copy waited for the lease as long as the job ran, and then found it done: never failed, never dropped.
+    task = f"supportmatrix.run_job[job-{job_id}]"
+    deadline = time.monotonic() + 4 * HEARTBEAT_S + 10  # its last retry is due within two heartbeats
+    while True:
+        lines = [line for line in (first.text() + second.text()).splitlines() if task in line]
+        assert not [line for line in lines if f"{task} raised" in line], lines
+        if any(f"{task} succeeded" in line and "not ours" in line for line in lines):
+            break
+        assert time.monotonic() < deadline, f"the copy never found the job done: {lines}"
+        time.sleep(0.3)
 
 
-def test_a_poison_model_that_kills_its_worker_ends_capped_and_the_queue_moves_on(stack: Stack, workers: Any) -> None:
+@pytest.mark.parametrize("behind", [False, True], ids=["alone", "with-a-job-behind"])
+def test_a_poison_model_that_kills_its_worker_ends_capped_and_the_queue_moves_on(
+    stack: Stack, workers: Any, behind: bool
+) -> None:
     """Loading faults/tiny-poison (trust_remote_code) SIGKILLs the worker's pool child every time: after
-    max_attempts deliveries it ends ERROR(worker_lost) listing each attempt, and the job behind it runs."""
-    worker = workers("f-poison", SUPPORTMATRIX_MAX_ATTEMPTS="2")
+    max_attempts deliveries it ends ERROR(worker_lost) listing each attempt, and a job behind it runs."""
+    worker = workers(f"f-poison-{int(behind)}", SUPPORTMATRIX_MAX_ATTEMPTS="2")
     stack.wait_serving(worker)
-    poison_id = stack.submit(f"{ORG}/tiny-poison")
-    behind_id = stack.submit(f"{ORG}/tiny-gpt2")
-    poison, behind = stack.wait_final([poison_id, behind_id], timeout=RECLAIM_S + 2 * RUN_S)
+    job_ids = [stack.submit(f"{ORG}/tiny-poison"), *([stack.submit(f"{ORG}/tiny-gpt2")] if behind else [])]
+    poison, *after = stack.wait_final(job_ids, timeout=RECLAIM_S + len(job_ids) * RUN_S)
     assert_ended_once(stack, poison, JobState.failed)
     assert poison.error_class == ErrorClass.worker_lost and poison.attempts == 2
     tried = accelerator_attempts(poison)
-    assert [a.ended for a in tried] == ["lost: its process died"] * 2, tried
-    for attempt in tried:
-        assert attempt.owner in (poison.error_message or ""), poison.error_message
-    assert runner_starts(worker, poison_id, "accelerator") == 2
-    assert_ended_once(stack, behind)
+    # taken over from the dead pool child at once, or after its lease lapsed (when a job behind it ran first)
+    assert len(tried) == 2 and all(a.ended and a.ended.startswith("lost") for a in tried), tried
+    message = poison.error_message or ""
+    assert "delivered 2 times" in message and all(f"{a.owner} (accelerator" in message for a in tried), message
+    assert runner_starts(worker, poison.id, "accelerator") == 2
+    for job in after:
+        assert_ended_once(stack, job)
+        assert job.attempts == 1, attempts(job)  # the job behind it is not hurt by its worker's deaths
     assert worker.proc.poll() is None
 
 
@@ -536,7 +575,7 @@ def two_hosts(stack: Stack, hub: Any) -> Iterator[list[Host]]:
                 for port in (stack.redis.port, stack.db.port, urlsplit(hub.url).port)
             )
             hosts[-1].proxies = [redis_proxy, db_proxy, hub_proxy]
-            root = RUN_DIR / f"faults-{name}"
+            root = RUN_DIR / name
             hosts[-1].env = {
                 "SUPPORTMATRIX_HOST_NAME": name,
                 "SUPPORTMATRIX_DATA_DIR": str(root / "data"),
@@ -554,11 +593,11 @@ def two_hosts(stack: Stack, hub: Any) -> Iterator[list[Host]]:
         stack.wait_serving(*(p for h in hosts for p in (h.accelerators, h.verdicts) if p))
         yield hosts
     finally:
+        started = [p for h in hosts for p in (h.accelerators, h.verdicts) if p is not None]
+        stop_all(started, timeout=5)  # a host cut off may hang in its shutdown: it is no longer worth waiting for
+        for proc in started:
+            stack.procs.remove(proc)
         for host in hosts:
-            for proc in (host.accelerators, host.verdicts):
-                if proc is not None:
-                    proc.stop()
-                    stack.procs.remove(proc)
             for proxy in host.proxies:
                 proxy.stop()
             host.netns.remove()
@@ -568,7 +607,7 @@ def test_a_host_cut_off_mid_job_is_reclaimed_by_the_other_host(stack: Stack, two
     """Two hosts, each with an accelerator and a verdict worker on the same Redis and PostgreSQL; the one
     running the job loses its network. The other takes the job once the lease lapses, runs both stages at
     home, and writes the one row; the cut host, back on the network, writes nothing."""
-    job_id = stack.submit(f"{ORG}/tiny-qwen3")
+    job_id = stack.submit(f"{ORG}/tiny-gpt2")
     running, other = wait_running_host(two_hosts, job_id)
     assert running.accelerators is not None and other.accelerators is not None and other.verdicts is not None
     running.netns.cut()

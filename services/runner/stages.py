@@ -7,7 +7,6 @@ finds there after.
 
 from __future__ import annotations
 
-import socket
 import struct
 import tempfile
 from contextlib import AbstractContextManager, nullcontext
@@ -86,7 +85,7 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
         revision=request.revision,
         task=request.task.value,
         backend=backend.name,
-        host=socket.gethostname(),
+        host=backend.settings.host_name,
         core_range=request.core_range,
     )
     try:

@@ -8,7 +8,6 @@ started by `python -m services.worker` take part (``configure`` is called there)
 from __future__ import annotations
 
 import os
-import socket
 import threading
 from dataclasses import dataclass
 
@@ -55,7 +54,7 @@ def start(name: str) -> None:
             session.merge(
                 Worker(
                     name=name,
-                    host=socket.gethostname(),
+                    host=get_settings().host_name,
                     pid=os.getpid(),
                     **identity.runtime.model_dump(),
                     cores=str(identity.group),
@@ -88,4 +87,4 @@ def stop() -> None:
         return
     _thread.join(timeout=5)
     with session_scope() as session:
-        session.execute(sa.delete(Worker).where(Worker.pid == os.getpid(), Worker.host == socket.gethostname()))
+        session.execute(sa.delete(Worker).where(Worker.pid == os.getpid(), Worker.host == get_settings().host_name))

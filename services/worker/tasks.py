@@ -94,9 +94,9 @@ def claim(task: Any, job_id: int, owner: str, settings: Settings, stage: Stage) 
             if outcome == Claim.held and (dead := dead_local_owner(job, settings)):
                 outcome, job = acquire_lease(session, job_id, owner, settings, stage, dead_owner=dead)
     except DB_ERRORS as exc:
-        raise task.retry(countdown=retry_in, max_retries=None, exc=exc) from exc
+        raise task.retry(countdown=retry_in, exc=exc) from exc
     if outcome == Claim.held:
-        raise task.retry(countdown=retry_in, max_retries=None)
+        raise task.retry(countdown=retry_in)
     return job if outcome == Claim.taken else None
 
 
@@ -137,7 +137,9 @@ def _stage_request(job: Job, stage: Stage, artifacts: Artifacts, core_range: str
     )
 
 
-@app.task(name=RUN_JOB_TASK, bind=True)
+# max_retries=None: a delivery that meets a live lease (or a silent database) is retried until the job leaves
+# the stage — Celery's default would drop it after three tries.
+@app.task(name=RUN_JOB_TASK, bind=True, max_retries=None)
 def run_job(self: Any, job_id: int) -> str:
     """The accelerator stage, on this worker's core group."""
     settings = get_settings()
@@ -167,7 +169,7 @@ def run_job(self: Any, job_id: int) -> str:
     return f"accelerator stage done; verdict stage on {queue}"
 
 
-@app.task(name=JUDGE_JOB_TASK, bind=True)
+@app.task(name=JUDGE_JOB_TASK, bind=True, max_retries=None)
 def judge_job(self: Any, job_id: int) -> str:
     """The verdict stage, on this host's CPUs, from the accelerator stage's artifacts (never rerunning it)."""
     settings = get_settings()

@@ -29,7 +29,11 @@ def make_engine(url: str) -> sa.Engine:
             cur.close()
 
         return engine
-    return sa.create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+    # A database that stops answering (a partitioned host) must fail a heartbeat within seconds, not hang it:
+    # a connect timeout, and TCP keepalives that give up on a silent peer after about half a minute.
+    keepalive = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
+                 "keepalives_count": 3}  # fmt: skip
+    return sa.create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10, connect_args=keepalive)
 
 
 @lru_cache
