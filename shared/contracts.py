@@ -268,7 +268,6 @@ class Artifacts:
         self.prefill = root / "prefill-logits.npy"
         self.step_scores = root / "step-scores.npy"
         self.stored_reference = root / "stored-reference.json"
-        self.stored_reference_prefill = root / "stored-reference-prefill.npy"
         self.reference_prefill = root / "reference-prefill-logits.npy"
         self.verdict = root / "verdict.json"
         self.judge = root / "judge.json"

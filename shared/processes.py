@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 from pathlib import Path
@@ -24,9 +25,14 @@ def describe_exit(returncode: int) -> str:
 
 
 def die_with_parent() -> None:
-    """Run in a child between fork and exec: the kernel sends it SIGKILL when its parent exits."""
+    """Run in a child between fork and exec: the kernel sends it SIGKILL when its parent exits.
+
+    A parent that died before the signal was asked for has already re-parented the child: it exits then.
+    """
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:
+        os._exit(1)
 
 
 def output_tail(log: Path) -> str:

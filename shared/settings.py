@@ -43,6 +43,8 @@ class Settings(BaseSettings):
     queue_grace_s: float = Field(60.0, gt=0)
     no_worker_after_s: float = Field(900.0, gt=0)
     sweep_lease_s: float = Field(900.0, gt=0, description="A running sweep not finished after this is re-sent.")
+    # A sweep that meets an unreachable Hub is tried again after each of these pauses, then ends failed.
+    sweep_retry_delays_s: list[float] = [2.0, 4.0, 8.0, 16.0]
     # Redis re-delivers an unacknowledged message after this; a backstop only, since the reconciler re-sends
     # lost jobs after the lease timeout. None: job_timeout_s + 10 * lease_timeout_s.
     visibility_timeout_s: float | None = Field(None, gt=0)
@@ -139,7 +141,7 @@ RUNNER_SETTINGS = frozenset(
     {
         "data_dir", "backend", "host_name", "cache_dir", "cpu_compile_backend", "job_timeout_s", "core_memory_gib",
         "moe_parallelism", "judge_kind", "judge_model", "judge_url", "judge_loglik_slack", "cpu_fault",
-        "cpu_threads", "compile_cache_remote", "compile_cache_push", "compile_cache_token", "hub_retry_delays_s",
+        "cpu_threads", "compile_cache_remote", "compile_cache_push", "hub_retry_delays_s",
     }
 )  # fmt: skip
 # What a process needs from the host's environment: the interpreter and locale, huggingface_hub's settings
@@ -165,6 +167,8 @@ def child_environment(
     """The allow-listed environment of a runner: the host's basics, the runner settings, ``overrides``,
     and only the ``secrets`` this child is meant to hold (a gated model's HF_TOKEN, the judge's token)."""
     env = {k: v for k, v in os.environ.items() if k in INHERITED_NAMES or k.startswith(INHERITED_PREFIXES)}
+    # huggingface_hub would read a token saved by `hf auth login` under HF_HOME: point it at none.
+    env["HF_TOKEN_PATH"] = str(settings.data_dir / "no-hub-token")
     for name in RUNNER_SETTINGS:
         value = getattr(settings, name)
         if value is not None:

@@ -53,6 +53,7 @@ SECRETS = {
     "redis_url": "redis://:redis-secret@redis:6379/0",
     "publish_token": "hf_publish_secret",
     "judge_token": "judge-secret",
+    "compile_cache_token": "hf_cache_write_secret",
 }
 
 
@@ -70,6 +71,22 @@ def test_a_child_environment_holds_only_the_secrets_it_is_given(monkeypatch: pyt
     assert env["HF_ENDPOINT"] == os.environ["HF_ENDPOINT"]  # the Hub (stand-in) it downloads from
     judged = child_environment(settings, {}, {"SUPPORTMATRIX_JUDGE_TOKEN": settings.judge_token or ""})
     assert judged["SUPPORTMATRIX_JUDGE_TOKEN"] == "judge-secret" and "SUPPORTMATRIX_DATABASE_URL" not in judged
+    assert env["HF_TOKEN_PATH"].endswith("no-hub-token")  # not a token saved under HF_HOME either
+
+
+def test_an_accelerator_stage_gets_the_hub_token_only_when_gated_and_no_cache_token_for_repo_code() -> None:
+    from services.worker.tasks import accelerator_secrets
+    from shared.db.models import Job
+    from shared.settings import Settings
+
+    settings = Settings(compile_cache_token="hf_cache_write_secret")
+    plain, gated, coded = Job(gated=False, trust_remote_code=False), Job(gated=True), Job(trust_remote_code=True)
+    assert accelerator_secrets(plain, settings, "hf_read") == {
+        "SUPPORTMATRIX_COMPILE_CACHE_TOKEN": "hf_cache_write_secret"
+    }
+    assert accelerator_secrets(gated, settings, "hf_read")["HF_TOKEN"] == "hf_read"
+    assert accelerator_secrets(coded, settings, "hf_read") == {}  # a repo's own code never holds the cache token
+    assert accelerator_secrets(gated, Settings(), None) == {}
 
 
 def test_the_readmes_layout_table_matches_the_tree() -> None:

@@ -610,8 +610,11 @@ def test_a_host_cut_off_mid_job_is_reclaimed_by_the_other_host(stack: Stack, two
     job_id = stack.submit(f"{ORG}/tiny-gpt2")
     running, other = wait_running_host(two_hosts, job_id)
     assert running.accelerators is not None and other.accelerators is not None and other.verdicts is not None
+    cut_runner = stage_runner(running.accelerators, job_id, "accelerator", timeout=10)
     running.netns.cut()
     lost_at = utcnow()
+    # Still cut off, the host learns within its lease that it can no longer hold it, and frees its cores.
+    assert gone(cut_runner.pid, timeout=LEASE_S + 5), "the cut host kept its runner past its lease"
     [job] = stack.wait_final([job_id])
     assert_ended_once(stack, job)
     lost, taken = accelerator_attempts(job)

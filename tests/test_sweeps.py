@@ -286,3 +286,36 @@ def test_two_beat_schedulers_sweep_each_slot_once(tmp_path: Path, hub: Any) -> N
     assert 2 <= len(slots) <= 8 and len(set(slots)) == len(slots), slots  # each 2-s slot swept at most once
     sent = [(RUN_DIR / f"beat-{i}.log").read_text().count("Sending due task sweep") for i in range(2)]
     assert min(sent) == 0 and max(sent) >= 2, sent  # only the lock holder sends
+
+
+def test_a_sweep_that_meets_an_unreachable_hub_retries_then_fails_keeping_its_id(api: Any, hub: Any) -> None:
+    """The lonely case: one sweep, nothing else queued; every try is claimed (and counted) in SQL."""
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "SUPPORTMATRIX_SWEEP_TASKS": '["text-generation"]',
+           "SUPPORTMATRIX_SWEEP_SELECTED": "[]", "SUPPORTMATRIX_SWEEP_RETRY_DELAYS_S": "[0.2, 0.2]"}  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "services.worker.celery_app:app", "worker", "--queues",
+         "supportmatrix.control", "--pool", "solo", "--hostname", "control-nohub@%h", "--without-gossip",
+         "--without-mingle"],
+        cwd=ROOT, env=env, stdout=(RUN_DIR / "control-nohub.log").open("wb"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        started = api.post("/sweeps")
+        assert started.status_code == 202
+        sweep_id = started.json()["id"]
+        deadline = time.monotonic() + 90
+        body: dict[str, Any] = {}
+        while time.monotonic() < deadline and body.get("state") != SweepState.failed:
+            body = api.get(f"/sweeps/{sweep_id}").json()
+            time.sleep(0.5)
+        assert body["state"] == SweepState.failed, (RUN_DIR / "control-nohub.log").read_text()[-2000:]
+        assert body["error"].startswith("hub_unavailable:") and body["jobs"] == {} and body["entries"] == []
+        from shared.db.engine import new_session
+        from shared.db.models import Sweep
+
+        with new_session() as session:
+            swept = session.get(Sweep, sweep_id)
+            assert swept is not None and swept.attempts == 3  # the first try and two retries, of the same sweep
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)

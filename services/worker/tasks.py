@@ -26,7 +26,7 @@ from services.worker.collector import export_once
 from services.worker.supervise import supervise
 from shared.contracts import AcceleratorOutput, Artifacts, RunReport, RunRequest, VerdictOutput, write_model
 from shared.db.engine import DB_ERRORS, new_session, session_scope
-from shared.db.models import Job, Sweep
+from shared.db.models import Job, Sweep, utcnow
 from shared.enums import ErrorClass, Stage, SweepState, Verdict
 from shared.hub.client import HubUnavailable
 from shared.jobs.broker import enqueue_job, enqueue_verdict, request_export, request_sweep
@@ -41,7 +41,6 @@ from shared.settings import Settings, get_settings, hub_token
 
 logger = get_task_logger(__name__)
 Result = TypeVar("Result")
-SWEEP_RETRIES = 4  # 2 + 4 + 8 + 16 s of backoff before a sweep gives up on the Hub
 
 
 def lease_owner(hostname: str | None, settings: Settings) -> str:
@@ -122,6 +121,16 @@ def _lease_keeper(job_id: int, owner: str, settings: Settings) -> Callable[[], b
     return keep_lease
 
 
+def accelerator_secrets(job: Job, settings: Settings, hub_read_token: str | None) -> dict[str, str]:
+    """The only secrets an accelerator stage's runner gets: the Hub token for a gated model, and the compile
+    cache's write token for its rank 0 to push — never to a run of a repo's own code, which could poison
+    the shared cache."""
+    secrets = {"HF_TOKEN": hub_read_token} if job.gated and hub_read_token else {}
+    if settings.compile_cache_token and not job.trust_remote_code:
+        secrets["SUPPORTMATRIX_COMPILE_CACHE_TOKEN"] = settings.compile_cache_token
+    return secrets
+
+
 def _stage_request(job: Job, stage: Stage, artifacts: Artifacts, core_range: str | None = None) -> RunRequest:
     return RunRequest(
         model_id=job.model_id,
@@ -151,9 +160,8 @@ def run_job(self: Any, job_id: int) -> str:
     artifacts = Artifacts(artifact_dir(settings, job_id))
     shutil.rmtree(artifacts.root, ignore_errors=True)  # a previous, lost attempt's files
     artifacts.root.mkdir(parents=True)
-    token = hub_token()
-    secrets = {"HF_TOKEN": token} if job.gated and token else None
     request = _stage_request(job, Stage.accelerator, artifacts, core_range=str(group))
+    secrets = accelerator_secrets(job, settings, hub_token())
     report = supervise(request, job, settings, _lease_keeper(job_id, owner, settings), group, secrets)
     if report is None:
         shutil.rmtree(artifacts.root, ignore_errors=True)
@@ -182,6 +190,7 @@ def judge_job(self: Any, job_id: int) -> str:
         message = f"the accelerator stage's artifacts are missing from {artifacts.root} on {settings.host_name}"
         report = job_report(job, Verdict.ERROR, ErrorClass.internal, message)
         return _write_result(job_id, owner, report, artifacts, settings)
+    artifacts.verdict.unlink(missing_ok=True)  # a lost attempt's output is not this attempt's
     _hand_over_stored_reference(artifacts, settings)
     keep_lease = _lease_keeper(job_id, owner, settings)
     report = supervise(_stage_request(job, Stage.verdict, artifacts), job, settings, keep_lease, None)
@@ -235,7 +244,7 @@ def export() -> str:
     return export_once()
 
 
-@app.task(name=SWEEP_TASK, bind=True, max_retries=SWEEP_RETRIES)
+@app.task(name=SWEEP_TASK, bind=True, max_retries=None)  # retries are counted in SQL (Sweep.attempts)
 def sweep(self: Any, sweep_id: int | None = None) -> str:
     """Run a sweep: the one the API opened (``sweep_id``), or the schedule's current slot."""
     settings = get_settings()
@@ -257,17 +266,19 @@ def sweep(self: Any, sweep_id: int | None = None) -> str:
     except QueueUnavailable:
         return "jobs committed; the reconciler sends them once the queue answers again"
     except HubUnavailable as exc:
+        delays = settings.sweep_retry_delays_s
         with session_scope() as session:
             record = session.get(Sweep, sweep_id)
             assert record is not None
-            if self.request.retries < SWEEP_RETRIES:
-                record.state, record.claimed_at = SweepState.queued, None  # for the retry to claim
-            else:
+            retry_in = delays[record.attempts - 1] if record.attempts <= len(delays) else None
+            if retry_in is None:
                 record.state, record.error = SweepState.failed, f"{ErrorClass.hub_unavailable.value}: {exc}"
-        if self.request.retries < SWEEP_RETRIES:
-            # The retry keeps the sweep's id: a scheduled sweep's slot is already taken by it.
-            raise self.retry(args=[sweep_id], countdown=2 ** (self.request.retries + 1), exc=exc) from exc
-        return "failed: the Hub did not answer"
+            else:  # handed back for the retry to claim; the reconciler waits a grace period from now
+                record.state, record.claimed_at = SweepState.queued, utcnow()
+        if retry_in is None:
+            return f"failed: the Hub did not answer {len(delays) + 1} times"
+        # The retry keeps the sweep's id: a scheduled sweep's slot is already taken by it.
+        raise self.retry(args=[sweep_id], countdown=retry_in, exc=exc) from exc
     return f"{sum(s.enqueue for s in submitted)} jobs enqueued"
 
 

@@ -16,7 +16,7 @@ from shared.settings import get_settings
 DB_ERRORS = (OperationalError, InterfaceError)
 
 
-def make_engine(url: str) -> sa.Engine:
+def make_engine(url: str, io_timeout_s: float = 10.0) -> sa.Engine:
     if url.startswith("sqlite"):
         engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 
@@ -30,10 +30,17 @@ def make_engine(url: str) -> sa.Engine:
 
         return engine
     # A database that stops answering (a partitioned host) must fail a heartbeat within seconds, not hang it:
-    # a connect timeout, and TCP keepalives that give up on a silent peer after about half a minute.
-    keepalive = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5,
-                 "keepalives_count": 3}  # fmt: skip
-    return sa.create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10, connect_args=keepalive)
+    # a connect timeout; TCP keepalives for an idle connection; and tcp_user_timeout for a statement already
+    # sent, whose unacknowledged bytes TCP would otherwise retransmit for a quarter of an hour.
+    silent = {
+        "connect_timeout": max(1, int(io_timeout_s)),
+        "keepalives": 1,
+        "keepalives_idle": max(1, int(io_timeout_s)),
+        "keepalives_interval": 2,
+        "keepalives_count": 3,
+        "tcp_user_timeout": int(io_timeout_s * 1000),
+    }
+    return sa.create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10, connect_args=silent)
 
 
 @lru_cache
@@ -41,7 +48,8 @@ def get_engine() -> sa.Engine:
     settings = get_settings()
     if settings.database_url.startswith("sqlite:///"):
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-    return make_engine(settings.database_url)
+    # Below the lease timeout: a worker learns its database is gone while its lease still holds.
+    return make_engine(settings.database_url, io_timeout_s=max(1.0, min(10.0, settings.lease_timeout_s / 3)))
 
 
 @lru_cache

@@ -206,7 +206,8 @@ class Sweep(Base):
     config: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
     error: Mapped[str | None] = mapped_column(sa.Text)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
-    claimed_at: Mapped[dt.datetime | None]  # when a control worker took it; a stale claim is re-sent
+    claimed_at: Mapped[dt.datetime | None]  # when a control worker took it (or handed it back to retry)
+    attempts: Mapped[int] = mapped_column(default=0, server_default="0")  # claims: retries are counted here
     finished_at: Mapped[dt.datetime | None]
 
     entries: Mapped[list[SweepEntry]] = relationship(back_populates="sweep", order_by="SweepEntry.id")

@@ -82,11 +82,12 @@ def reconcile(session: Session, settings: Settings, now: dt.datetime | None = No
     if out.resend:
         session.execute(sa.update(Job).where(Job.id.in_([r.job_id for r in out.resend])).values(enqueued_at=now))
     sweep_stale = now - dt.timedelta(seconds=settings.sweep_lease_s)
+    handed_back = sa.func.coalesce(Sweep.claimed_at, Sweep.created_at)  # a retry's hand-back counts from then
     out.sweeps = list(
         session.scalars(
             sa.select(Sweep.id).where(
                 sa.or_(
-                    sa.and_(Sweep.state == SweepState.queued, Sweep.created_at < grace),
+                    sa.and_(Sweep.state == SweepState.queued, handed_back < grace),
                     sa.and_(Sweep.state == SweepState.running, Sweep.claimed_at < sweep_stale),
                 )
             )
@@ -96,7 +97,9 @@ def reconcile(session: Session, settings: Settings, now: dt.datetime | None = No
 
 
 def claim_sweep(session: Session, sweep_id: int, settings: Settings) -> bool:
-    """Take a sweep to run it: a queued one, or a running one whose claim is older than the sweep lease."""
+    """Take a sweep to run it: a queued one, or a running one whose claim is older than the sweep lease.
+    Every claim counts, whoever delivered it (a retry, the reconciler), so the retries of a sweep are capped
+    in SQL."""
     now = utcnow()
     stale = now - dt.timedelta(seconds=settings.sweep_lease_s)
     takeable = sa.or_(
@@ -106,7 +109,7 @@ def claim_sweep(session: Session, sweep_id: int, settings: Settings) -> bool:
         session.execute(
             sa.update(Sweep)
             .where(Sweep.id == sweep_id, takeable)
-            .values(state=SweepState.running, claimed_at=now)
+            .values(state=SweepState.running, claimed_at=now, attempts=Sweep.attempts + 1)
             .execution_options(synchronize_session=False)
         ).rowcount
     )

@@ -303,22 +303,19 @@ def acquire_lease(
     if rules.waiting == rules.running:
         fresh_start = sa.and_(fresh_start, Job.lease_owner.is_(None))
     takeable = sa.or_(fresh_start, sa.and_(Job.state == rules.running, Job.lease_owner.is_not(None), lapsed))
-    exhausted = session.execute(
-        sa.update(Job)
+    exhausted = session.scalars(
+        sa.select(Job)
         .where(Job.id == job_id, takeable, rules.attempts >= settings.max_attempts)
-        .values(lease_owner=owner, heartbeat_at=now)
-        .execution_options(synchronize_session=False)
-    ).rowcount
-    if exhausted:
-        job = session.get(Job, job_id, populate_existing=True)
-        assert job is not None
-        log = _end_attempts(job, lost)
+        .execution_options(populate_existing=True)  # bulk updates above bypassed the session's copy
+    ).first()
+    if exhausted is not None:
+        log = _end_attempts(exhausted, lost)
         listed = "; ".join(f"{a.owner} ({a.stage.value}, {a.started_at:%Y-%m-%d %H:%M:%S}): {a.ended}" for a in log)
         message = (
             f"the {stage.value} stage was delivered {settings.max_attempts} times without finishing; "
             f"the workers running it were lost. Attempts: {listed}"
         )
-        finish(session, job_id, owner, job_report(job, Verdict.ERROR, ErrorClass.worker_lost, message))
+        close_unattended(session, exhausted, job_report(exhausted, Verdict.ERROR, ErrorClass.worker_lost, message))
         return Claim.gone, None
     started = {"started_at": now} if stage == Stage.accelerator else {}
     taken = session.execute(
