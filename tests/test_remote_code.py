@@ -12,7 +12,6 @@ import pytest
 from shared.settings import get_settings
 from tests.conftest import wait_for_job
 from tests.test_pipeline import FINISHED, _queued_state, result_rows, submit
-from tests.test_runner import run_runner
 
 
 @pytest.fixture
@@ -48,12 +47,20 @@ def test_an_allowlisted_orgs_remote_code_runs_and_a_strangers_is_skipped(
     assert any(p.endswith(f"/resolve/{trusted['sha']}/modeling_custom.py") for p in paths)
 
 
-def test_a_model_id_is_fetched_from_the_hub_even_when_a_directory_has_its_name(hub: Any, tmp_path: Path) -> None:
+def test_a_model_id_is_fetched_from_the_hub_even_when_a_directory_has_its_name(
+    hub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.runner.download import download
+
     decoy = tmp_path / "org" / "tiny-gpt2"
     decoy.mkdir(parents=True)
     (decoy / "config.json").write_text("{}")  # a directory of the same name in the working directory
-    code, report = run_runner("org/tiny-gpt2", cwd=tmp_path)
-    assert code == 0 and report["verdict"] == "PASS" and len(report["sha"]) == 40, report
+    monkeypatch.chdir(tmp_path)
+    requests_before = len(hub.requests)
+    checkpoint = download("org/tiny-gpt2", None, None, [])
+    assert checkpoint.sha is not None and len(checkpoint.sha) == 40 and checkpoint.path != decoy.resolve()
+    assert (checkpoint.path / "model.safetensors").exists()  # the Hub's files, from the Hub
+    assert any(p.startswith("/api/models/org/tiny-gpt2") for _, p in hub.requests[requests_before:])  # asked
 
 
 def test_remote_code_does_not_run_without_the_switch(tiny_models: Path) -> None:

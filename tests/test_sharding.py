@@ -22,11 +22,11 @@ def run(tiny_models: Path, model: str, *args: str, **env: str) -> tuple[int, dic
 
 @pytest.mark.parametrize(
     ("model", "cores", "parallelism", "env"),
-    # One case per parallelism and architecture family; experts-only EP of Qwen3-MoE over 4 ranks runs in
-    # tests/test_deploy.py (the first-hour check on the tiny checkpoints).
+    # One case per parallelism and architecture family, over 2 ranks; 4 ranks run in tests/test_deploy.py (the
+    # first-hour check: experts-only EP of Qwen3-MoE) and below (a rank killed, heads that do not divide).
     [
         ("tiny-llama", 2, "tp", {}),
-        ("tiny-qwen3", 4, "tp", {}),
+        ("tiny-qwen3", 2, "tp", {}),
         ("tiny-mixtral", 2, "ep", {}),
         ("tiny-qwen3-moe", 2, "ep_tp", {"SUPPORTMATRIX_MOE_PARALLELISM": "ep_tp"}),
     ],
@@ -58,7 +58,8 @@ def test_heads_that_do_not_divide_are_sized_to_a_size_that_works_or_refused(tiny
 
 @pytest.mark.parametrize(
     ("fault", "model", "cores"),
-    [("perturb_shard", "tiny-llama", 2), ("skip_allreduce", "tiny-qwen3", 2), ("drop_layer", "tiny-llama", 1)],
+    # drop_layer (one core, through the service) fails in tests/test_stages.py
+    [("perturb_shard", "tiny-llama", 2), ("skip_allreduce", "tiny-qwen3", 2)],
 )
 def test_every_planted_fault_fails(tiny_models: Path, fault: str, model: str, cores: int) -> None:
     code, report = run(tiny_models, model, "--cores", str(cores), SUPPORTMATRIX_CPU_FAULT=fault)
@@ -66,7 +67,8 @@ def test_every_planted_fault_fails(tiny_models: Path, fault: str, model: str, co
     assert "prefill logits differ" in report["verdict_reason"]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+# One thread, where the default on this 2-CPU machine is two: another reduction order in every matmul.
+@pytest.mark.parametrize("threads", [1])
 def test_benign_noise_never_fails(tiny_models: Path, threads: int) -> None:
     # Another thread count changes the reduction order of every matmul; Qwen3 has the narrowest margins.
     code, report = run(tiny_models, "tiny-qwen3", SUPPORTMATRIX_CPU_THREADS=str(threads))
