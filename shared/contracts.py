@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import shlex
 import types
 import typing
 from dataclasses import replace
 from enum import Enum
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +30,14 @@ from shared.testconfig import config_hash
 
 LIBRARY = "transformers"
 RUNNER_MODULE = "services.runner"
+
+
+def installed_version(dist: str) -> str | None:
+    """An installed distribution's version from its metadata, without importing it (torch takes seconds)."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 class RuntimeInfo(BaseModel):
@@ -275,6 +285,6 @@ class Artifacts:
 
 def write_model(path: Path, model: BaseModel) -> None:
     """Write atomically: a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # writers of the same file never share a name
     tmp.write_text(model.model_dump_json())
     tmp.replace(path)

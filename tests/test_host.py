@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -50,3 +51,17 @@ def test_the_host_replans_when_a_two_core_job_arrives_and_after_it_is_done(api: 
     finally:
         launcher.stop()
     assert registered() == set() and all(p.poll() is not None for p in launcher.verdict_workers)
+
+
+def test_a_hosts_runtime_is_described_once_and_kept(tmp_path: Path) -> None:
+    """Workers after the first start without a runner child: the description is kept per installation."""
+    from services.worker.__main__ import describe_runtime
+
+    settings = get_settings().model_copy(update={"data_dir": tmp_path})
+    first = describe_runtime(settings)  # asked of a runner child
+    assert first.compiler_version == "aot_eager-2.13.0+cpu"
+    [kept] = (tmp_path / "runtimes").glob("*.json")
+    kept.write_text(first.model_copy(update={"compiler_version": "the-kept-answer"}).model_dump_json())
+    assert describe_runtime(settings).compiler_version == "the-kept-answer"  # read back, not asked again
+    eager = settings.model_copy(update={"cpu_compile_backend": "eager"})
+    assert describe_runtime(eager).compiler_version == "eager-2.13.0+cpu"  # what it depends on changed: asked

@@ -179,3 +179,21 @@ def test_a_fails_artifacts_stay_until_the_retention(api: Any, worker: Any, start
     kept = artifacts / f"job-{failed['id']}"
     assert (kept / "accelerator.json").exists() and (kept / "prefill-logits.npy").exists()  # for inspection
     assert (kept / "verdict.json").exists() and not expired.exists()
+
+
+def test_cancelling_a_judging_job_stops_its_verdict_stage_and_writes_nothing(
+    api: Any, worker: Any, verdict_worker: Any
+) -> None:
+    [job] = submit(api, "stage/tiny-llama-6h")
+    wait_for_job(api, job["id"], {"judging"})
+    runner = stage_runner(verdict_worker, job["id"], "verdict")
+    with frozen(runner):
+        cancelled = api.delete(f"/jobs/{job['id']}")
+        assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+        psutil.wait_procs([runner], timeout=15)  # the verdict worker kills it within a heartbeat
+    assert not runner.is_running() or runner.status() == psutil.STATUS_ZOMBIE
+    time.sleep(2)
+    after = api.get(f"/jobs/{job['id']}").json()
+    assert after["state"] == "cancelled" and after["finished_at"] == cancelled.json()["finished_at"]
+    assert result_rows(api, model_id="stage/tiny-llama-6h") == []
+    assert not (get_settings().data_dir / "artifacts" / f"job-{job['id']}").exists()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -180,22 +181,31 @@ def test_only_one_beat_scheduler_holds_the_lock_and_a_standby_takes_over() -> No
     first.release()
 
 
-@pytest.fixture
-def control_worker(hub: Any) -> Iterator[subprocess.Popen[bytes]]:
-    """A collector-style worker on the control queue, sweeping only feature-extraction's top model."""
-    env = {**os.environ, "SUPPORTMATRIX_SWEEP_TASKS": '["feature-extraction"]', "SUPPORTMATRIX_SWEEP_LIMIT": "1",
-           "SUPPORTMATRIX_SWEEP_SELECTED": "[]", "SUPPORTMATRIX_PUBLISH_REPO": PUBLISHED,
-           "SUPPORTMATRIX_PUBLISH_TOKEN": HUB_TOKEN}  # fmt: skip
+@contextmanager
+def running_control_worker(name: str, **env: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A collector-style worker on the control queue (sweeps, export), logging to RUN_DIR/<name>.log."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "services.worker.celery_app:app", "worker", "--queues",
-         "supportmatrix.control", "--pool", "solo", "--hostname", "control@%h", "--without-gossip",
+         "supportmatrix.control", "--pool", "solo", "--hostname", f"{name}@%h", "--without-gossip",
          "--without-mingle"],
-        cwd=ROOT, env=env, stdout=(RUN_DIR / "control.log").open("wb"), stderr=subprocess.STDOUT,
+        cwd=ROOT, env={**os.environ, **env}, stdout=(RUN_DIR / f"{name}.log").open("wb"), stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
-    yield proc
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(30)
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
+@pytest.fixture
+def control_worker(hub: Any) -> Iterator[subprocess.Popen[bytes]]:
+    """A control worker sweeping only feature-extraction's top model, publishing to the stand-in."""
+    with running_control_worker(
+        "control", SUPPORTMATRIX_SWEEP_TASKS='["feature-extraction"]', SUPPORTMATRIX_SWEEP_LIMIT="1",
+        SUPPORTMATRIX_SWEEP_SELECTED="[]", SUPPORTMATRIX_PUBLISH_REPO=PUBLISHED, SUPPORTMATRIX_PUBLISH_TOKEN=HUB_TOKEN,
+    ) as proc:  # fmt: skip
+        yield proc
 
 
 def test_post_sweeps_starts_one_and_get_shows_its_progress(
@@ -290,16 +300,9 @@ def test_two_beat_schedulers_sweep_each_slot_once(tmp_path: Path, hub: Any) -> N
 
 def test_a_sweep_that_meets_an_unreachable_hub_retries_then_fails_keeping_its_id(api: Any, hub: Any) -> None:
     """The lonely case: one sweep, nothing else queued; every try is claimed (and counted) in SQL."""
-    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "SUPPORTMATRIX_SWEEP_TASKS": '["text-generation"]',
-           "SUPPORTMATRIX_SWEEP_SELECTED": "[]", "SUPPORTMATRIX_SWEEP_RETRY_DELAYS_S": "[0.2, 0.2]"}  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "services.worker.celery_app:app", "worker", "--queues",
-         "supportmatrix.control", "--pool", "solo", "--hostname", "control-nohub@%h", "--without-gossip",
-         "--without-mingle"],
-        cwd=ROOT, env=env, stdout=(RUN_DIR / "control-nohub.log").open("wb"), stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
+    nohub = {"HF_ENDPOINT": "http://127.0.0.1:9", "SUPPORTMATRIX_SWEEP_TASKS": '["text-generation"]',
+             "SUPPORTMATRIX_SWEEP_SELECTED": "[]", "SUPPORTMATRIX_SWEEP_RETRY_DELAYS_S": "[0.2, 0.2]"}  # fmt: skip
+    with running_control_worker("control-nohub", **nohub):
         started = api.post("/sweeps")
         assert started.status_code == 202
         sweep_id = started.json()["id"]
@@ -316,6 +319,3 @@ def test_a_sweep_that_meets_an_unreachable_hub_retries_then_fails_keeping_its_id
         with new_session() as session:
             swept = session.get(Sweep, sweep_id)
             assert swept is not None and swept.attempts == 3  # the first try and two retries, of the same sweep
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)

@@ -10,19 +10,31 @@ host's verdict queue.
 from __future__ import annotations
 
 import argparse
-import json
+import hashlib
 import subprocess
 import sys
 
 from services.worker import registry
 from services.worker.celery_app import app
-from shared.contracts import RuntimeInfo
+from shared.contracts import RuntimeInfo, installed_version, write_model
 from shared.cores import CoreGroup
 from shared.jobs.queues import job_queue, verdict_queue
 from shared.settings import Settings, child_environment, get_settings
 
+# What a runtime description depends on, besides the backend and its settings.
+RUNTIME_PACKAGES = ("torch", "transformers", "neuronx-cc", "torch-neuronx")
+
 
 def describe_runtime(settings: Settings) -> RuntimeInfo:
+    """What this machine serves, asked of a runner child (the worker never imports torch) once per host and
+    installation: the answer is kept under the data dir, keyed by all it depends on — the backend, the cpu
+    backend's dynamo backend, the interpreter, the runtime packages' installed versions — so that the next
+    worker starts without importing torch at all."""
+    parts = [settings.backend, settings.cpu_compile_backend, sys.executable]
+    parts += [f"{dist}={installed_version(dist)}" for dist in RUNTIME_PACKAGES]
+    cached = settings.data_dir / "runtimes" / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.json"
+    if cached.exists():
+        return RuntimeInfo.model_validate_json(cached.read_text())
     out = subprocess.run(
         [sys.executable, "-m", "services.runner.describe", "--backend", settings.backend],
         env=child_environment(settings, {}),
@@ -31,7 +43,10 @@ def describe_runtime(settings: Settings) -> RuntimeInfo:
         check=True,
         timeout=600,
     )
-    return RuntimeInfo(**json.loads(out.stdout.strip().splitlines()[-1]))
+    info = RuntimeInfo.model_validate_json(out.stdout.strip().splitlines()[-1])
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    write_model(cached, info)
+    return info
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,6 @@ import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from importlib import metadata
 from typing import Any
 
 import sqlalchemy as sa
@@ -19,7 +18,7 @@ from pydantic import BaseModel
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from shared.contracts import LIBRARY, RunReport, RuntimeInfo
+from shared.contracts import LIBRARY, RunReport, RuntimeInfo, installed_version
 from shared.db.models import Job, Result, Worker, utcnow
 from shared.enums import ACTIVE_STATES, FINISHED_STATES, CompilerName, ErrorClass, JobState, Stage, Task, Verdict
 from shared.hub.client import ResolvedModel
@@ -66,23 +65,16 @@ def served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
     return [default] if default else []
 
 
-def _installed(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def default_runtime(settings: Settings) -> RuntimeInfo | None:
     """The runtime a job is planned for when no live worker says what it serves.
 
     Read from package metadata so that the API never imports torch; None when it cannot be known here.
     """
-    torch_version = _installed("torch")
-    library_version = _installed(LIBRARY)
+    torch_version = installed_version("torch")
+    library_version = installed_version(LIBRARY)
     if settings.backend == "neuron":
         compiler_name = CompilerName.neuronx_cc.value
-        compiler_version = settings.default_compiler or _installed("neuronx-cc")
+        compiler_version = settings.default_compiler or installed_version("neuronx-cc")
     else:
         compiler_name = CompilerName.inductor.value
         compiler_version = settings.default_compiler or (torch_version and f"inductor-{torch_version}")
