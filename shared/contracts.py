@@ -184,6 +184,10 @@ class RunReport(BaseModel):
     judge_answer: str | None = None
     judge_rationale: str | None = None
     evidence: dict[str, Any] | None = None
+    failure_signature: str | None = None  # ERROR and FAIL: the normalised cause (shared.results.signatures)
+    signature_id: str | None = None
+    graphs_compiled: int | None = None
+    predicted_peak_bytes_per_core: int | None = None  # what sizing expected; peak_memory_bytes is measured
 
 
 class AcceleratorData(BaseModel):

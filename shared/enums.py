@@ -58,6 +58,10 @@ class ErrorClass(StrEnum):
     unsizable = "unsizable"  # neither safetensors metadata nor file sizes tell its size
     remote_code = "remote_code"  # needs trust_remote_code and its org is not allowlisted: SKIPPED
     hub_unavailable = "hub_unavailable"  # the Hub did not answer, after retries
+    unsupported_architecture = "unsupported_architecture"  # transformers does not know its model_type
+    adapter = "adapter"  # a PEFT adapter without its own base weights: SKIPPED
+    weights_format = "format"  # only GGUF, ONNX or MLX weights, which from_pretrained does not load: SKIPPED
+    quantized = "quantized"  # a quantization method the backend cannot load: SKIPPED, the method named
     internal = "internal"  # a bug of ours; the message says where
 
 

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from shared.enums import Verdict
 from shared.results.export import export_results
 from shared.results.publish import publish
+from shared.results.records import SCHEMA_VERSION
 from tests.conftest import HUB_TOKEN
 from tests.history import record, runtime
 
@@ -49,7 +50,7 @@ def test_the_export_is_pushed_once_per_change(session: Session, hub: Any, tmp_pa
     path = hf_hub_download(REPO, f"data/{local.name}", repo_type="dataset")
     df = pd.read_parquet(path)
     assert df[df.model_id == "Qwen/Qwen3-0.6B"]["result"].tolist() == ["PASS"]
-    assert df.schema_version.tolist() == [1]
+    assert df.schema_version.tolist() == [SCHEMA_VERSION]
 
 
 def test_a_push_without_the_write_token_is_refused_and_retried_next_time(

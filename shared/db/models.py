@@ -165,6 +165,11 @@ class Result(Base):
     judge_answer: Mapped[str | None] = mapped_column(sa.Text)
     judge_rationale: Mapped[str | None] = mapped_column(sa.Text)
     evidence: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON)
+    # What an ERROR or FAIL row failed of, normalised so that one cause reads as one line (GET /failures)
+    failure_signature: Mapped[str | None] = mapped_column(sa.Text)
+    signature_id: Mapped[str | None] = mapped_column(sa.String(16), index=True)  # a digest of the signature
+    graphs_compiled: Mapped[int | None]  # graphs the compiler built (a recompiling model builds many)
+    predicted_peak_bytes_per_core: Mapped[int | None] = mapped_column(sa.BigInteger)  # the sizing's estimate
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     job: Mapped[Job] = relationship(back_populates="result")

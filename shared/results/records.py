@@ -26,7 +26,7 @@ from shared.db.models import Job, Result
 from shared.enums import ErrorClass, Verdict
 from shared.results.cells import CellStatus
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: failure signatures, graphs compiled, predicted peak memory per core
 
 # The public dataset's integer width; the plain ``int`` fields are int64.
 Int32 = Annotated[int, pa.int32()]
@@ -77,6 +77,10 @@ class ResultRecord(BaseModel):
     visible_cores: str | None = None
     torch_version: str | None = None
     reproduce: str | None = None
+    failure_signature: str | None = None
+    signature_id: str | None = None
+    graphs_compiled: Int32 | None = None
+    predicted_peak_bytes_per_core: int | None = None
     job_id: int
     finished_at: dt.datetime
 
