@@ -61,8 +61,17 @@ class Settings(BaseSettings):
     judge_token: str | None = None
     judge_loglik_slack: float = Field(1.0, ge=0)
 
-    # Test only: plant a fault in the cpu backend's accelerator run (perturb_shard, skip_allreduce, drop_layer).
-    cpu_fault: Literal["perturb_shard", "skip_allreduce", "drop_layer"] | None = None
+    # Test and bench only: plant a fault in the cpu backend's accelerator run (services.runner.faults).
+    cpu_fault: (
+        Literal[
+            "perturb_shard", "skip_allreduce", "drop_layer", "swap_token", "swap_near_tie",
+            "scale_shard_1pct", "scale_shard_10pct", "rotary_base", "zero_head", "cache_position",
+        ]
+        | None
+    ) = None  # fmt: skip
+    # The cpu backend's run dtype, of the accelerator run and the reference alike: bfloat16 meets the
+    # tolerances a trn2 run is held to.
+    cpu_dtype: Literal["float32", "bfloat16"] = "float32"
     # cpu backend threads per accelerator rank (0: torch's default); a benign-noise knob for tests.
     cpu_threads: int = Field(0, ge=0)
 
@@ -140,7 +149,7 @@ def get_settings() -> Settings:
 RUNNER_SETTINGS = frozenset(
     {
         "data_dir", "backend", "host_name", "cache_dir", "cpu_compile_backend", "job_timeout_s", "core_memory_gib",
-        "moe_parallelism", "judge_kind", "judge_model", "judge_url", "judge_loglik_slack", "cpu_fault",
+        "moe_parallelism", "judge_kind", "judge_model", "judge_url", "judge_loglik_slack", "cpu_fault", "cpu_dtype",
         "cpu_threads", "compile_cache_remote", "compile_cache_push", "hub_retry_delays_s",
     }
 )  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,20 @@ def test_exceptions_are_classified_by_phase_and_memory() -> None:
     assert classify(OSError("no such file"), ErrorClass.load) == ErrorClass.load
     assert classify(ValueError("bad shape"), ErrorClass.compile) == ErrorClass.runtime
     assert classify(torch._dynamo.exc.Unsupported("graph break"), ErrorClass.compile) == ErrorClass.compile
+
+
+def test_evidence_comes_from_what_greedy_picked_from(tiny_models: Path, tmp_path: Path) -> None:
+    """A bf16 run of a checkpoint whose generation config sets a repetition penalty, with a benign divergence
+    forced at a near tie: the penalty changes greedy's pick at later steps, so evidence from raw logits would
+    see real divergences there; the processed scores the reference is scored with see none. PASS."""
+    checkpoint = tmp_path / "tiny-llama-penalty"
+    shutil.copytree(tiny_models / "tiny-llama", checkpoint)
+    config = json.loads((checkpoint / "generation_config.json").read_text())
+    (checkpoint / "generation_config.json").write_text(json.dumps(config | {"repetition_penalty": 1.5}))
+    code, report = run_local(checkpoint, SUPPORTMATRIX_CPU_DTYPE="bfloat16", SUPPORTMATRIX_CPU_FAULT="swap_near_tie")
+    assert code == 0 and report["verdict"] == "PASS", report
+    divergence = report["first_divergence"]
+    assert divergence is not None and divergence >= 4 and "every divergence a near tie" in report["verdict_reason"]
+    evidence = report["evidence"]
+    assert all(step["rank"] < 5 and step["gap"] <= 0.3 for step in evidence["divergent_steps"])
+    assert any(step > divergence for step in evidence["processor_reordered_steps"])  # the penalty mattered

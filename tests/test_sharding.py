@@ -24,10 +24,11 @@ def run(tiny_models: Path, model: str, *args: str, **env: str) -> tuple[int, dic
     ("model", "cores", "parallelism", "env"),
     # One case per parallelism and architecture family, over 2 ranks; 4 ranks run in tests/test_deploy.py (the
     # first-hour check: experts-only EP of Qwen3-MoE) and below (a rank killed, heads that do not divide).
+    # Half of them in bf16, trn2's dtype: TP's reduction order then drifts at bf16's scale, not fp32's.
     [
         ("tiny-llama", 2, "tp", {}),
-        ("tiny-qwen3", 2, "tp", {}),
-        ("tiny-mixtral", 2, "ep", {}),
+        ("tiny-qwen3", 2, "tp", {"SUPPORTMATRIX_CPU_DTYPE": "bfloat16"}),
+        ("tiny-mixtral", 2, "ep", {"SUPPORTMATRIX_CPU_DTYPE": "bfloat16"}),
         ("tiny-qwen3-moe", 2, "ep_tp", {"SUPPORTMATRIX_MOE_PARALLELISM": "ep_tp"}),
     ],
 )
@@ -35,8 +36,11 @@ def test_sharded_runs_pass(tiny_models: Path, model: str, cores: int, parallelis
     code, report = run(tiny_models, model, "--cores", str(cores), **env)
     assert code == 0, report["error_message"] or report["verdict_reason"]
     assert report["verdict"] == "PASS" and report["cores"] == cores and report["parallelism"] == parallelism
-    assert report["generated_token_ids"] == report["reference_token_ids"]
-    assert report["prefill_rel_error"] < 1e-3
+    bf16 = env.get("SUPPORTMATRIX_CPU_DTYPE") == "bfloat16"
+    assert report["compiler_version"].endswith("-bf16") == bf16
+    if not bf16:  # bf16 may reorder near ties; the verdict then says so
+        assert report["generated_token_ids"] == report["reference_token_ids"]
+    assert report["prefill_rel_error"] < (5e-2 if bf16 else 1e-3)
     assert report["judge_kind"] == "likelihood" and report["judge_prompt_hash"]  # sharded runs are judged
     assert report["peak_memory_bytes"] > 100 * 2**20  # the max over ranks
 

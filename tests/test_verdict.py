@@ -74,3 +74,27 @@ def test_first_divergence() -> None:
     assert first_divergence([1, 2], [1, 2, 3]) == 2
     assert first_divergence([], []) is None
     assert first_divergence([1, 9, 3], [1, 2, 3]) == 1
+
+
+def test_the_judge_decides_a_sharded_run_whose_numbers_are_inconclusive() -> None:
+    """A divergence that is no near tie, in text about as likely as the reference's: the numbers cannot tell a
+    benign reordering from a fault, so a judge that reads the text decides — both ways."""
+    far = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=2.5, rank=9)
+    inconclusive = {"generated": diverged(5), "reference": TOKENS, "divergent_steps": [far],
+                    "accelerator_loglik": -2.1, "reference_loglik": -2.0, "sharded": True}  # fmt: skip
+    passed = decide(Evidence(**inconclusive, judge=judge(True, True)), BF16)
+    assert passed.verdict == Verdict.PASS and "not a near tie" in passed.reason and "finds it fluent" in passed.reason
+    failed = decide(Evidence(**inconclusive, judge=judge(False, True)), BF16)
+    assert failed.verdict == Verdict.FAIL and "not fluent" in failed.reason
+    # a judge that cannot tell, or cannot tell the reference's text from garbage, leaves the numbers' FAIL
+    assert decide(Evidence(**inconclusive, judge=judge(None, True)), BF16).verdict == Verdict.FAIL
+    assert decide(Evidence(**inconclusive, judge=judge(True, False)), BF16).verdict == Verdict.FAIL
+    # the likelihood judge weighs only what the rule already weighed; single-core runs have no judge
+    likelihood = JudgeOutcome("likelihood", None, "h", True, True, "Yes / Yes", "close")
+    assert decide(Evidence(**inconclusive, judge=likelihood), BF16).verdict == Verdict.FAIL
+    single = inconclusive | {"sharded": False}
+    assert decide(Evidence(**single, judge=judge(True, True)), BF16).verdict == Verdict.FAIL
+    # implausible text fails before any judge is asked
+    implausible = inconclusive | {"accelerator_loglik": -3.0}
+    decision = decide(Evidence(**implausible, judge=judge(True, True)), BF16)
+    assert decision.verdict == Verdict.FAIL and "implausible" in decision.reason

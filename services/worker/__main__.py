@@ -28,9 +28,9 @@ RUNTIME_PACKAGES = ("torch", "transformers", "neuronx-cc", "torch-neuronx")
 def describe_runtime(settings: Settings) -> RuntimeInfo:
     """What this machine serves, asked of a runner child (the worker never imports torch) once per host and
     installation: the answer is kept under the data dir, keyed by all it depends on — the backend, the cpu
-    backend's dynamo backend, the interpreter, the runtime packages' installed versions — so that the next
+    backend's dynamo backend and dtype, the interpreter, the runtime packages' installed versions — so that the next
     worker starts without importing torch at all."""
-    parts = [settings.backend, settings.cpu_compile_backend, sys.executable]
+    parts = [settings.backend, settings.cpu_compile_backend, settings.cpu_dtype, sys.executable]
     parts += [f"{dist}={installed_version(dist)}" for dist in RUNTIME_PACKAGES]
     cached = settings.data_dir / "runtimes" / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.json"
     if cached.exists():

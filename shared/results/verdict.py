@@ -1,20 +1,22 @@
 """The verdict from evidence: pure functions that tests call without a model.
 
-The rule (``decide``), in order:
+The rule (``decide``), in order — the numeric rules first, so that no judge can pass NaN or implausible text:
 1. Non-finite accelerator logits → FAIL.
 2. The prefill logits (the prompt's last position) differ from the reference's by more than the dtype's
-   tolerance, relative to the reference's norm → FAIL. Every real fault we plant (a perturbed shard, a
-   skipped all-reduce, a dropped layer) shows here; thread counts and reduction orders do not.
-3. Tokens: every one of the 32 matches → evidence passes. Otherwise each step where the accelerator's
-   token is not the reference's choice — scored teacher-forced, under the reference model, on the
-   accelerator's own prefix — must be a near tie: in the reference's top-k with a log-prob gap under the
-   dtype's tolerance (bf16 drift reorders near ties; a real fault does not). And the accelerator's text
-   must be about as likely under the reference as the reference's own text (mean log-prob per token,
-   within a slack); else FAIL.
-4. Sharded runs also ask the judge whether the accelerator's text is fluent English. It can only turn a
-   PASS into a FAIL — when it finds the accelerator's text not fluent while the reference's text is (a
-   random tiny model's text is not fluent either way, so the judge is inconclusive there) — and never
-   turns a numeric failure into a PASS.
+   tolerance, relative to the reference's norm → FAIL. Gross faults (a perturbed shard, a skipped
+   all-reduce, a dropped layer) show here; thread counts and reduction orders do not.
+3. Every one of the 32 tokens matches → PASS (a sharded run's judge may still find the text not fluent).
+4. The accelerator's text is implausible under the reference: its mean log-prob per token (raw logits,
+   teacher-forced) is more than the dtype's slack below the reference's own text's → FAIL.
+5. Every divergent step is a near tie: the accelerator's token is in the reference's top-k *processed*
+   scores (what greedy picked from) with a gap under the dtype's tolerance — bf16 drift reorders near
+   ties; a real fault does not → PASS.
+6. Otherwise the numbers are inconclusive: a divergence that is no near tie, in text about as likely as
+   the reference's. A sharded run with a judge that reads the text (local or openai) is decided by the
+   judge: fluent, where the reference's text is too → PASS; not fluent → FAIL. Without one → FAIL.
+   The likelihood judge reads only the numbers the rules above already weighed: it decides nothing here.
+The judge also turns a sharded run's PASS into a FAIL when it finds the accelerator's text not fluent while
+the reference's is (a random tiny model's text is fluent neither way: the judge is inconclusive there).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.enums import Verdict
+from shared.enums import JudgeKind, Verdict
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class JudgeOutcome:
     reference_fluent: bool | None
     answer: str  # raw answers, accelerator's then reference's
     rationale: str
+
+    @property
+    def reads_text(self) -> bool:
+        """A judge that reads the text (a language model), not the likelihoods the rule already weighed."""
+        return self.kind != JudgeKind.likelihood
 
 
 @dataclass(frozen=True)
@@ -105,24 +112,33 @@ def decide(evidence: Evidence, tol: Tolerances) -> Decision:
             f"prefill logits differ from the reference by {evidence.prefill_rel_error:.3g} "
             f"(relative; tolerance {tol.prefill_rel_error:.3g})"
         )
+    judge = evidence.judge if evidence.sharded else None
     if divergence is None:
         reason = "all 32 tokens match the reference"
     else:
-        for step in evidence.divergent_steps:
-            if not step.is_near_tie(tol):
-                return fail(
-                    f"step {step.step}: token {step.accelerator_token} is not a near tie of the reference's "
-                    f"{step.reference_token} (gap {step.gap:.3g} nats, rank {step.rank}; tolerance "
-                    f"{tol.near_tie_gap:.3g} within top-{tol.top_k})"
-                )
         if evidence.accelerator_loglik < evidence.reference_loglik - tol.loglik_slack:
             return fail(
                 f"the reference finds the accelerator's text implausible: {evidence.accelerator_loglik:.3f} "
-                f"vs {evidence.reference_loglik:.3f} nats per token"
+                f"vs {evidence.reference_loglik:.3f} nats per token (slack {tol.loglik_slack:.3g})"
             )
-        reason = f"tokens diverge from step {divergence}, every divergence a near tie"
-    judge = evidence.judge
-    if evidence.sharded and judge is not None:
+        far = next((step for step in evidence.divergent_steps if not step.is_near_tie(tol)), None)
+        if far is None:
+            reason = f"tokens diverge from step {divergence}, every divergence a near tie"
+        else:
+            reason = (
+                f"step {far.step}: token {far.accelerator_token} is not a near tie of the reference's "
+                f"{far.reference_token} (gap {far.gap:.3g} nats, rank {far.rank}; tolerance "
+                f"{tol.near_tie_gap:.3g} within top-{tol.top_k})"
+            )
+            if judge is None or not judge.reads_text or judge.fluent is None or judge.reference_fluent is False:
+                return fail(reason)
+            if not judge.fluent:
+                return fail(f"{reason}; the {judge.kind} judge finds the text not fluent: {judge.rationale}")
+            return Decision(
+                Verdict.PASS, f"{reason}, but the text is as likely as the reference's and the {judge.kind} judge "
+                f"finds it fluent: {judge.rationale}", divergence
+            )  # fmt: skip
+    if judge is not None:
         if judge.fluent is False and judge.reference_fluent is not False:
             return fail(f"the {judge.kind} judge finds the sharded output not fluent: {judge.rationale}")
         reason += f"; {judge.kind} judge: {judge.rationale}"

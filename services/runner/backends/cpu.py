@@ -20,13 +20,20 @@ class CpuBackend(Backend):
         return self.settings.cpu_compile_backend
 
     @property
+    def dtype(self) -> str:  # type: ignore[override]
+        return self.settings.cpu_dtype
+
+    @property
     def fault(self) -> str | None:
         return self.settings.cpu_fault
 
     def reproduce_env(self) -> dict[str, str]:
-        if self.compile_backend == "inductor":
-            return {}
-        return {"SUPPORTMATRIX_CPU_COMPILE_BACKEND": self.compile_backend}
+        env = {}
+        if self.compile_backend != "inductor":
+            env["SUPPORTMATRIX_CPU_COMPILE_BACKEND"] = self.compile_backend
+        if self.dtype != "float32":
+            env["SUPPORTMATRIX_CPU_DTYPE"] = self.dtype
+        return env
 
     def accelerator_env(self) -> dict[str, str]:
         inductor = local_cache_dir(self.settings.cache_path, self.name)
@@ -36,7 +43,9 @@ class CpuBackend(Backend):
     def compiler(self) -> tuple[str, str]:
         import torch
 
-        return self.compile_backend, f"{self.compile_backend}-{torch.__version__}"
+        # A bf16 run is another configuration of the same compiler: its cells stay apart from float32's.
+        suffix = "" if self.dtype == "float32" else "-bf16"
+        return self.compile_backend, f"{self.compile_backend}-{torch.__version__}{suffix}"
 
     def peak_memory_bytes(self) -> int:
         return peak_rss_bytes()

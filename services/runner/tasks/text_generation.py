@@ -3,6 +3,13 @@
 The accelerator run goes first (possibly as N ranks): its tokens, prefill logits and per-step scores land
 in the job's artifacts. Then the CPU reference (eager, one process) generates its own 32 tokens and scores
 the accelerator's tokens teacher-forced on the accelerator's prefix: the evidence ``verdict.decide`` rules on.
+
+Greedy picks from *processed* scores: the logits processors that the model's generation config and our
+arguments imply (``min_new_tokens`` masks EOS, a repetition penalty rescales seen tokens) run between the
+logits and the choice. So the reference scores the accelerator's tokens through ``generate`` itself, forced
+token by token (``_ForceTokens``, after every processor): each step's processed scores decide whether a
+divergent token was a near tie, and its raw logits give the text's likelihood, as the prefill check uses raw
+logits too.
 """
 
 from __future__ import annotations
@@ -36,13 +43,30 @@ def _generation_kwargs(tokenizer: Any) -> dict[str, Any]:
     }
 
 
+class _ForceTokens:
+    """A logits processor, after all of generate's own, that keeps the scores it is given (what greedy would
+    pick from) and then forces the accelerator's token: teacher forcing through ``generate`` itself."""
+
+    def __init__(self, tokens: list[int], prompt_length: int) -> None:
+        self.tokens, self.prompt_length = tokens, prompt_length
+        self.processed: list[Any] = []
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import torch
+
+        self.processed.append(scores[0].float().clone())
+        forced = torch.full_like(scores, -torch.inf)
+        forced[0, self.tokens[input_ids.shape[1] - self.prompt_length]] = 0.0
+        return forced
+
+
 class TextGeneration:
     name = Task.text_generation
 
     def accelerator(self, spec: AcceleratorSpec, backend: Backend) -> AcceleratorData:
         """One rank of the accelerator run: load (sharded when world_size > 1), compile, generate twice."""
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
         from services.runner import faults, parallel
 
@@ -65,6 +89,8 @@ class TextGeneration:
                 faults.inject(model, backend.fault, rank, world_size)
             inputs = tokenizer(PROMPT, return_tensors="pt").to(model.device)
         kwargs = _generation_kwargs(tokenizer)
+        prompt_length = inputs["input_ids"].shape[1]
+        kwargs["logits_processor"] = LogitsProcessorList(faults.logits_processors(backend.fault, prompt_length))
 
         def generate() -> Any:
             with torch.inference_mode():
@@ -99,7 +125,7 @@ class TextGeneration:
     def reference(self, spec: ReferenceSpec, backend: Backend) -> ReferenceResult:
         """The CPU reference: its own greedy tokens, and the accelerator's tokens scored teacher-forced."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
         acc_tokens = spec.accelerator.token_ids or []
         dtype = getattr(torch, backend.dtype)
@@ -109,23 +135,26 @@ class TextGeneration:
             tokenizer = AutoTokenizer.from_pretrained(spec.model_dir, **code)
             model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=dtype, **code).eval()
             inputs = tokenizer(PROMPT, return_tensors="pt")
-        prompt_len = inputs["input_ids"].shape[1]
+        prompt_length = inputs["input_ids"].shape[1]
+        kwargs = _generation_kwargs(tokenizer)
         with phase(ErrorClass.runtime), clock.time("generate"), torch.inference_mode():
-            out = model.generate(**inputs, **_generation_kwargs(tokenizer))
-            ref_tokens = out.sequences[0, prompt_len:].tolist()
+            out = model.generate(**inputs, **kwargs)
+            ref_tokens = out.sequences[0, prompt_length:].tolist()
             ref_logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
             reference_loglik = sum(lp[t].item() for lp, t in zip(ref_logprobs, ref_tokens, strict=True)) / NEW_TOKENS
-            # Teacher-forced: the reference's distribution at each step given the accelerator's own prefix.
-            ids = torch.tensor([inputs["input_ids"][0].tolist() + acc_tokens[:-1]])
-            forced_lp = torch.log_softmax(model(input_ids=ids).logits[0, prompt_len - 1 :].float(), -1)
-        steps, acc_loglik = [], 0.0
+            forced = _ForceTokens(acc_tokens, prompt_length)
+            scored = model.generate(**inputs, **kwargs, logits_processor=LogitsProcessorList([forced]))
+        steps, acc_loglik, reordered = [], 0.0, []
         for i, token in enumerate(acc_tokens):
-            lp = forced_lp[i]
-            acc_lp = lp[token].item()
-            acc_loglik += acc_lp / NEW_TOKENS
-            best = int(lp.argmax())
+            raw = torch.log_softmax(scored.logits[i][0].float(), -1)
+            acc_loglik += raw[token].item() / NEW_TOKENS
+            processed = torch.log_softmax(forced.processed[i], -1)
+            best = int(processed.argmax())
+            if int(raw.argmax()) != best:
+                reordered.append(i)
             if best != token:
-                steps.append(StepEvidence(i, token, best, lp[best].item() - acc_lp, int((lp > lp[token]).sum())))
+                gap = processed[best].item() - processed[token].item()
+                steps.append(StepEvidence(i, token, best, gap, int((processed > processed[token]).sum())))
         np.save(Artifacts(spec.artifacts).reference_prefill, out.logits[0][0].float().numpy())
         data = {
             "token_ids": ref_tokens,
@@ -134,7 +163,9 @@ class TextGeneration:
             "generate_s": clock.seconds["generate"],
             "peak_rss_bytes": peak_rss_bytes(),
         }
-        return ReferenceResult(data=data, divergent_steps=steps, accelerator_loglik=acc_loglik)
+        return ReferenceResult(
+            data=data, divergent_steps=steps, accelerator_loglik=acc_loglik, processor_reordered_steps=reordered
+        )
 
     def reuse(self, acc: AcceleratorData, stored: dict[str, Any]) -> ReferenceResult | None:
         """The reference's findings from a stored run, without running the model; None when that is not enough.
@@ -181,6 +212,8 @@ class TextGeneration:
             "reference_loglik": ref["reference_loglik"],
             "evidence": {
                 "divergent_steps": [vars(s) for s in found.divergent_steps],
+                # steps where the logits processors changed greedy's pick: raw argmax is not what it chose
+                "processor_reordered_steps": found.processor_reordered_steps,
                 "prompt_sha256": hashlib.sha256(PROMPT.encode()).hexdigest(),
                 "reference_generate_s": ref["generate_s"],
                 "reference_peak_rss_bytes": ref["peak_rss_bytes"],
