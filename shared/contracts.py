@@ -205,6 +205,7 @@ class AcceleratorData(BaseModel):
     peak_memory_bytes: int
     visible_cores: str
     compile_cache: str | None = None
+    graphs_compiled: int | None = None  # graphs the compiler built: one for a model that compiles once
     runtime: RuntimeInfo | None = None
 
 

@@ -54,7 +54,8 @@ class FileEntry:
 class Repo:
     repo_id: str
     root: Path
-    meta: dict[str, Any] = field(default_factory=dict)  # downloads, trendingScore, gated, likes, ...
+    # downloads, trendingScore, gated, likes, pipeline_tag, library_name, tags, safetensors (overrides), ...
+    meta: dict[str, Any] = field(default_factory=dict)
     _cache: dict[str, tuple[tuple[float, int], FileEntry]] = field(default_factory=dict)
 
     def files(self) -> list[FileEntry]:
@@ -288,7 +289,7 @@ class _Handler(BaseHTTPRequestHandler):
             "downloads": repo.meta.get("downloads", 0),
             "likes": repo.meta.get("likes", 0),
             "trendingScore": repo.meta.get("trendingScore", 0),
-            "library_name": "transformers",
+            "library_name": repo.meta.get("library_name", "transformers"),
             "pipeline_tag": repo.meta.get("pipeline_tag", "text-generation" if causal else None),
             "tags": [
                 "transformers",

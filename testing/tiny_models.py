@@ -8,6 +8,13 @@ generation config never stops early: every run generates its full 32 tokens.
 Two checkpoints carry code of their own (trust_remote_code: their config's ``auto_map`` names classes in
 the repo's ``*.py``): ``tiny-custom``, a Llama under another name, and ``tiny-poison``, whose modeling code
 kills the worker process that started its runner — an untrusted repo at its worst.
+
+The repo kinds we do not run as they are (``shared.hub.kinds``), made from tiny-llama (``KIND_REPOS``): a PEFT
+adapter without base weights, weights only as GGUF / ONNX / MLX, quantized checkpoints (a real block-wise FP8
+one, which runs; GPTQ, AWQ, bitsandbytes, MXFP4 and compressed-tensors configs over tiny-llama's bf16 weights,
+which are never fetched: the submission decides from config.json), and a model_type transformers does not know.
+Files that are never read (the GGUF and ONNX weights, the MLX copy) are placeholders: a GGUF header without
+tensors, bytes named .onnx.
 """
 
 from __future__ import annotations
@@ -169,6 +176,126 @@ def build_code_models(out_dir: Path) -> list[Path]:
     return built
 
 
+def _fp8_weights(source: Path, target: Path, block: int = 32) -> dict[str, Any]:
+    """tiny-llama's linear weights as block-wise FP8 (e4m3, one fp32 scale per block, the layout of DeepSeek-V3 and
+    Qwen3-*-FP8 checkpoints); returns the config's quantization_config."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict[str, Any] = {}
+    for name, weight in load_file(source).items():
+        if not name.endswith("_proj.weight"):
+            tensors[name] = weight
+            continue
+        rows, cols = weight.shape
+        blocks = weight.float().reshape(rows // block, block, cols // block, block)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        tensors[name] = (blocks / scale[:, None, :, None]).reshape(rows, cols).to(torch.float8_e4m3fn)
+        tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale
+    save_file(tensors, target, metadata={"format": "pt"})
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block, block]}
+
+
+def _quantized(config: dict[str, Any]) -> Callable[[Path], None]:
+    def make(repo: Path) -> None:
+        _patch_config(repo, {"quantization_config": config})
+
+    return make
+
+
+def _patch_config(repo: Path, update: dict[str, Any]) -> None:
+    import json
+
+    path = repo / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | update, indent=2))
+
+
+def _adapter(repo: Path) -> None:
+    """Only a LoRA adapter of tiny-llama's q and v projections: adapter_config.json and its weights."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    for f in list(repo.iterdir()):
+        if f.name.startswith(("model", "config", "generation_config")):
+            f.unlink()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "org/tiny-llama", "r": 4,
+              "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}  # fmt: skip
+    (repo / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    torch.manual_seed(0)
+    tensors = {
+        f"base_model.model.model.layers.{i}.self_attn.{proj}.lora_{ab}.weight": torch.randn(shape) * 0.01
+        for i in range(2)
+        for proj in ("q_proj", "v_proj")
+        for ab, shape in (("A", (4, 64)), ("B", (64, 4)))
+    }
+    save_file(tensors, repo / "adapter_model.safetensors")
+
+
+def _gguf(repo: Path) -> None:
+    """Weights only as GGUF (a v3 header without tensors), as llama.cpp's repos hold them, no config.json."""
+    import struct
+
+    for f in list(repo.iterdir()):
+        f.unlink()
+    (repo / "tiny-llama-Q8_0.gguf").write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0))
+    (repo / "README.md").write_text("GGUF weights of tiny-llama\n")
+
+
+def _onnx(repo: Path) -> None:
+    """Weights only as ONNX under onnx/, beside config.json and the tokenizer (as onnx-community's repos)."""
+    (repo / "model.safetensors").unlink()
+    (repo / "onnx").mkdir()
+    (repo / "onnx" / "model.onnx").write_bytes(b"placeholder: the submission decides from the file names")
+
+
+def _mlx(repo: Path) -> None:
+    """An MLX repo: served with library_name mlx; its config says how MLX quantized it."""
+    _patch_config(repo, {"quantization": {"group_size": 64, "bits": 4}})
+
+
+def _fp8(repo: Path) -> None:
+    _patch_config(repo, {"quantization_config": _fp8_weights(repo / "model.safetensors", repo / "model.safetensors")})
+
+
+def _unknown_architecture(repo: Path) -> None:
+    _patch_config(repo, {"model_type": "zorblax", "architectures": ["ZorblaxForCausalLM"]})
+
+
+# name → how it is made from a copy of tiny-llama
+KIND_REPOS: dict[str, Callable[[Path], None]] = {
+    "tiny-adapter": _adapter,
+    "tiny-gguf": _gguf,
+    "tiny-onnx": _onnx,
+    "tiny-mlx": _mlx,
+    "tiny-llama-fp8": _fp8,
+    "tiny-gptq": _quantized({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}),
+    "tiny-awq": _quantized({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True}),
+    "tiny-bnb-4bit": _quantized({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}),
+    "tiny-mxfp4": _quantized({"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}),
+    "tiny-compressed": _quantized({"quant_method": "compressed-tensors", "format": "float-quantized"}),
+    "tiny-unknown-arch": _unknown_architecture,
+}
+
+
+def build_kind_repos(out_dir: Path) -> list[Path]:
+    """The repo kinds of ``KIND_REPOS``, made from tiny-llama."""
+    import shutil
+
+    built = []
+    for name, make in KIND_REPOS.items():
+        target = out_dir / name
+        if not target.exists():
+            tmp = out_dir / f".{name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(out_dir / "tiny-llama", tmp)
+            make(tmp)
+            tmp.rename(target)
+        built.append(target)
+    return built
+
+
 def build(out_dir: Path, names: list[str] | None = None) -> list[Path]:
     import torch
     import transformers
@@ -200,6 +327,7 @@ def build(out_dir: Path, names: list[str] | None = None) -> list[Path]:
         built.append(target)
     if names is None:
         built += build_code_models(out_dir)
+        built += build_kind_repos(out_dir)
     return built
 
 

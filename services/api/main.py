@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.api.errors import unavailable
 from services.api.metrics import StateCollector
-from services.api.routes import health, jobs, results, sweeps, workers
+from services.api.routes import failures, health, jobs, results, sweeps, workers
 from shared.hub.client import bound_hub_requests
 from shared.settings import get_settings
 
@@ -94,6 +94,7 @@ def create_app() -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.api_max_body_bytes)
     app.include_router(jobs.router)
     app.include_router(results.router)
+    app.include_router(failures.router)
     app.include_router(workers.router)
     app.include_router(sweeps.router)
     app.include_router(health.router)

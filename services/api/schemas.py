@@ -11,6 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from shared.contracts import RuntimeInfo
 from shared.enums import ErrorClass, JobState, Task
 from shared.hub.client import MODEL_ID_PATTERN, REVISION_PATTERN, is_model_id, is_revision
+from shared.jobs.submission import TASK_BY_PIPELINE
 from shared.results.records import ResultRecord
 
 COMPILER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$"
@@ -66,7 +67,12 @@ class JobCreate(BaseModel):
         None, description="Compiler versions to test with; default: every version live workers serve."
     )
     force: bool = Field(False, description="Run again even if an identical job already finished.")
-    task: Task | None = Field(None, description="Default: from the model's pipeline tag on the Hub.")
+    task: Task | None = Field(
+        None,
+        description="Default: from the model's pipeline tag on the Hub ("
+        + ", ".join(f"{tag} → {task.value}" for tag, task in TASK_BY_PIPELINE.items())
+        + "); any other tag (image-text-to-text, ...) is refused with 422 unless a task is given.",
+    )
     cores: Literal[1, 2, 4, 8, 16] | None = Field(
         None, description="Shard over this many cores; default: the fewest whose memory holds the weights."
     )

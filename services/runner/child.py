@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from services.runner.backends import Backend, get_backend
 from services.runner.compile_cache import local_cache_dir, namespace, remote_for
 from services.runner.failures import RunFailure
+from services.runner.measure import graphs_compiled
 from services.runner.specs import AcceleratorSpec, AnySpec, ChildOutcome, DescribeSpec, SpecFile
 from services.runner.tasks import get_task
 from shared.enums import ErrorClass
@@ -60,6 +61,7 @@ def run_role(spec: AnySpec) -> BaseModel:
         cache = SharedCompileCache(backend, runtime.compiler_name, runtime.compiler_version, spec.rank)
         data = task.accelerator(spec, backend)
         data.compile_cache = backend.cache_outcome(cache.new_entries())
+        data.graphs_compiled = graphs_compiled()
         cache.push()
         data.runtime = runtime
         return data
@@ -70,14 +72,19 @@ def execute(spec: AnySpec) -> ChildOutcome:
     try:
         return ChildOutcome(ok=True, data=run_role(spec).model_dump(mode="json"))
     except RunFailure as failure:
-        return ChildOutcome(ok=False, error_class=failure.error_class, message=failure.message, traceback=failure.trace)
+        outcome = ChildOutcome(
+            ok=False, error_class=failure.error_class, message=failure.message, traceback=failure.trace
+        )
     except Exception as exc:
-        return ChildOutcome(
+        outcome = ChildOutcome(
             ok=False,
             error_class=ErrorClass.internal,
             message=f"{type(exc).__name__}: {exc}"[:4000],
             traceback=traceback.format_exc(),
         )
+    if isinstance(spec, AcceleratorSpec):
+        outcome.graphs_compiled = graphs_compiled()  # how far the compiler got: many for a recompiling model
+    return outcome
 
 
 def main(argv: list[str]) -> int:

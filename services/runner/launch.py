@@ -99,5 +99,8 @@ def _outcome(name: str, proc: subprocess.Popen[bytes], out: Path, log_path: Path
     outcome = ChildOutcome.model_validate_json(out.read_text())
     if not outcome.ok:
         assert outcome.error_class is not None
-        raise RunFailure(outcome.error_class, f"{name}: {outcome.message}", outcome.traceback)
+        message = f"{name}: {outcome.message}"
+        raise RunFailure(
+            outcome.error_class, message, outcome.traceback, origin=name, graphs_compiled=outcome.graphs_compiled
+        )
     return outcome

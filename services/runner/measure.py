@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,18 @@ def peak_rss_bytes() -> int:
     if match is None:
         raise RuntimeError("VmHWM missing from /proc/self/status")
     return int(match.group(1)) * 1024
+
+
+def graphs_compiled() -> int | None:
+    """Graphs the compiler built in this process so far: dynamo's count of unique graphs, which every
+    torch.compile backend (neuron, inductor, aot_eager) goes through. A model that recompiles at every
+    decode step builds many; None when this process never loaded dynamo.
+    """
+    if "torch._dynamo" not in sys.modules:
+        return None
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 class Stopwatch:

@@ -62,6 +62,7 @@ class ReferenceResult(BaseModel):
     data: dict[str, Any]
     divergent_steps: list[StepEvidence] = []
     accelerator_loglik: float | None = None
+    processor_reordered_steps: list[int] = []  # where the logits processors changed greedy's pick
 
 
 class ChildOutcome(BaseModel):
@@ -70,3 +71,4 @@ class ChildOutcome(BaseModel):
     error_class: ErrorClass | None = None
     message: str = ""
     traceback: str = ""
+    graphs_compiled: int | None = None  # a failed accelerator child: the graphs its compiler built by then

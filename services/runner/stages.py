@@ -30,7 +30,8 @@ from shared.contracts import (
     write_model,
 )
 from shared.enums import ErrorClass, Stage, Verdict
-from shared.hub.sizing import checkpoint_shape, default_core_memory_bytes, size_model
+from shared.hub.sizing import ModelShape, checkpoint_shape, default_core_memory_bytes, per_core_bytes, size_model
+from shared.results.signatures import error_signature
 from shared.settings import Settings, inherited_environment
 
 
@@ -97,7 +98,9 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
             with_code=request.trust_remote_code,
         )
         report.sha = checkpoint.sha
-        report.cores = choose_cores(request, checkpoint, backend)
+        shape = _checkpoint_shape(checkpoint)
+        report.cores = choose_cores(request, shape, backend)
+        report.predicted_peak_bytes_per_core = per_core_bytes(shape, report.cores, backend.dtype)
         reproduced = request.model_copy(
             update={"revision": checkpoint.sha or request.revision, "cores": report.cores, "backend": backend.name}
         )
@@ -131,6 +134,7 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
                     "peak_memory_bytes",
                     "visible_cores",
                     "compile_cache",
+                    "graphs_compiled",
                 }
             ),
             "parallelism": data.parallelism.value,
@@ -156,16 +160,19 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
     return report
 
 
-def choose_cores(request: RunRequest, checkpoint: Checkpoint, backend: Backend) -> int:
+def _checkpoint_shape(checkpoint: Checkpoint) -> ModelShape:
+    try:
+        return checkpoint_shape(checkpoint.path)
+    except (OSError, ValueError, KeyError, struct.error) as exc:
+        raise RunFailure(ErrorClass.load, f"the checkpoint's config or weight headers are unreadable: {exc}") from exc
+
+
+def choose_cores(request: RunRequest, shape: ModelShape, backend: Backend) -> int:
     """--cores when given, else the fewest cores whose memory holds the checkpoint."""
     if request.cores:
         return int(request.cores)
     memory = default_core_memory_bytes(backend.name, backend.settings.core_memory_gib)
-    try:
-        shape = checkpoint_shape(checkpoint.path)
-    except (OSError, ValueError, KeyError, struct.error) as exc:
-        raise RunFailure(ErrorClass.load, f"the checkpoint's config or weight headers are unreadable: {exc}") from exc
-    sizing = size_model(shape, memory)
+    sizing = size_model(shape, memory, run_dtype=backend.dtype)
     if sizing.cores is None:
         raise RunFailure(ErrorClass.too_large, sizing.reason)
     return sizing.cores
@@ -241,6 +248,16 @@ def judge_stage(settings: Settings, artifacts: Artifacts) -> RunReport:
 
 
 def failed(report: RunReport, failure: RunFailure, verdict: Verdict = Verdict.ERROR, prefix: str = "") -> RunReport:
-    """The report of a stage that ended with ``failure``: its class and message."""
-    update = {"verdict": verdict, "error_class": failure.error_class, "error_message": prefix + failure.message}
+    """The report of a stage that ended with ``failure``: its class, message and (ERROR) signature, and the
+    graphs the accelerator's compiler built when the failure says and the report does not already."""
+    update: dict[str, object] = {
+        "verdict": verdict,
+        "error_class": failure.error_class,
+        "error_message": prefix + failure.message,
+    }
+    if report.graphs_compiled is None:
+        update["graphs_compiled"] = failure.graphs_compiled
+    if verdict == Verdict.ERROR:
+        signature = error_signature(failure.error_class, prefix + failure.cause, failure.trace, report.model_id)
+        update |= {"failure_signature": signature.text, "signature_id": signature.id}
     return report.model_copy(update=update)

@@ -9,6 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from cachetools import TTLCache
 from huggingface_hub import HfApi, hf_hub_download, set_client_factory
@@ -20,7 +21,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from shared.hub.sizing import ModelShape, parameters_from_file_sizes, shape_from_config
+from shared.hub.sizing import ModelShape, config_dtype, parameters_from_file_sizes, shape_from_config
 from shared.settings import get_settings
 
 
@@ -80,6 +81,7 @@ class ResolvedModel:
     parameters: dict[str, int] = field(default_factory=dict)  # safetensors parameter counts per dtype
     files: tuple[str, ...] = ()
     tags: tuple[str, ...] = ()
+    library_name: str | None = None  # transformers, peft, mlx, gguf, ...
 
     @property
     def needs_remote_code(self) -> bool:
@@ -148,6 +150,7 @@ def _fetch_model_info(model_id: str, revision: str | None, timeout_s: float) -> 
         parameters=dict(info.safetensors.parameters) if info.safetensors else {},
         files=tuple(s.rfilename for s in info.siblings or []),
         tags=tuple(info.tags or []),
+        library_name=info.library_name,
     )
 
 
@@ -176,29 +179,50 @@ class Gated(HubError):
     pass
 
 
-def model_shape(model: ResolvedModel, timeout_s: float | None = None) -> ModelShape:
-    """Size inputs without downloading weights: safetensors metadata (or weight file sizes) + config.json.
-    ``timeout_s`` defaults to ``hub_timeout_s``."""
+def read_json(model: ResolvedModel, filename: str, timeout_s: float | None = None) -> dict[str, Any]:
+    """A small JSON file of the repo at the resolved commit. Raises Gated, or Unsizable when it is missing or
+    unreadable. ``timeout_s`` defaults to ``hub_timeout_s``."""
     try:
-        config_path = hf_hub_download(
-            model.model_id, "config.json", revision=model.sha, etag_timeout=timeout_s or get_settings().hub_timeout_s
+        path = hf_hub_download(
+            model.model_id, filename, revision=model.sha, etag_timeout=timeout_s or get_settings().hub_timeout_s
         )
-        config = json.loads(Path(config_path).read_text())
+        content = json.loads(Path(path).read_text())
     except GatedRepoError as exc:
         raise Gated(f"{model.model_id} is gated and the configured token (HF_TOKEN) may not read it") from exc
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise Unsizable(f"{model.model_id} has no readable config.json: {exc}") from exc
+        raise Unsizable(f"{model.model_id} has no readable {filename}: {exc}") from exc
+    if not isinstance(content, dict):
+        raise Unsizable(f"{model.model_id}: {filename} is not a JSON object")
+    return content
+
+
+def adapter_base(model: ResolvedModel) -> str | None:
+    """The base model an adapter repo names (adapter_config.json's base_model_name_or_path), if it says."""
+    try:
+        base = read_json(model, "adapter_config.json").get("base_model_name_or_path")
+    except HubError:
+        return None
+    return base if isinstance(base, str) and base else None
+
+
+def model_shape(
+    model: ResolvedModel, config: dict[str, Any] | None = None, timeout_s: float | None = None
+) -> ModelShape:
+    """Size inputs without downloading weights: safetensors metadata (or weight file sizes) + config.json
+    (read here unless given). ``timeout_s`` defaults to ``hub_timeout_s``."""
+    if config is None:
+        config = read_json(model, "config.json", timeout_s)
     parameters = sum(model.parameters.values())
-    if not parameters:
-        weights = [f for f in model.files if f.endswith((".bin", ".pt", ".pth", ".safetensors"))]
-        if not weights:
-            raise Unsizable(f"{model.model_id} has neither safetensors metadata nor weight files")
-        infos = HfApi().get_paths_info(model.model_id, weights, revision=model.sha)
-        total = sum(getattr(i, "size", 0) or 0 for i in infos)
-        if not total:
-            raise Unsizable(f"{model.model_id}: the Hub gives no size for {weights}")
-        parameters = parameters_from_file_sizes(total, config.get("torch_dtype") or config.get("dtype"))
-    return shape_from_config(parameters, config)
+    if parameters:
+        return shape_from_config(parameters, config, model.parameters)
+    weights = [f for f in model.files if f.endswith((".bin", ".pt", ".pth", ".safetensors"))]
+    if not weights:
+        raise Unsizable(f"{model.model_id} has neither safetensors metadata nor weight files")
+    infos = HfApi().get_paths_info(model.model_id, weights, revision=model.sha)
+    total = sum(getattr(i, "size", 0) or 0 for i in infos)
+    if not total:
+        raise Unsizable(f"{model.model_id}: the Hub gives no size for {weights}")
+    return shape_from_config(parameters_from_file_sizes(total, config_dtype(config)), config)
 
 
 def bound_hub_requests(timeout_s: float) -> None:

@@ -23,6 +23,7 @@ from shared.db.models import Job, Result, Worker, utcnow
 from shared.enums import ACTIVE_STATES, FINISHED_STATES, CompilerName, ErrorClass, JobState, Stage, Task, Verdict
 from shared.hub.client import ResolvedModel
 from shared.jobs.queues import job_queue
+from shared.results.signatures import error_signature, fail_signature
 from shared.settings import Settings
 from shared.testconfig import config_hash
 
@@ -427,8 +428,21 @@ def _close(session: Session, job_id: int, condition: sa.ColumnElement[bool], rep
     ).rowcount
     if not moved:
         return False
-    session.add(Result(job_id=job_id, **report.model_dump(include=RESULT_FIELDS)))
+    session.add(Result(job_id=job_id, **_with_signature(report).model_dump(include=RESULT_FIELDS)))
     return True
+
+
+def _with_signature(report: RunReport) -> RunReport:
+    """``report`` with its failure signature: an ERROR or FAIL keeps the runner's (which saw the traceback),
+    else gets one from its message or verdict reason — a job the worker ended (timeout, crash, lost, no
+    worker, refused at submission) or a FAIL, whose reason names the rule that failed it."""
+    if report.signature_id is not None or report.verdict not in (Verdict.ERROR, Verdict.FAIL):
+        return report
+    if report.verdict == Verdict.FAIL:
+        signature = fail_signature(report.verdict_reason, report.model_id)
+    else:
+        signature = error_signature(report.error_class, report.error_message, model_id=report.model_id)
+    return report.model_copy(update={"failure_signature": signature.text, "signature_id": signature.id})
 
 
 def list_jobs(

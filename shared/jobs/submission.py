@@ -1,9 +1,12 @@
 """From "test this model" to job rows: resolve on the Hub, pick the task, size, plan compilers, insert.
 
-Used by the API and by sweeps: nothing here commits or enqueues. A model that needs trust_remote_code from
-an org not allowlisted, a gated one the token cannot read, one too large for 16 cores, or one that cannot
-be sized gets its job settled at once — SKIPPED(remote_code), SKIPPED(gated), SKIPPED(too_large) or
-ERROR(unsizable), with the reason — and is never enqueued.
+Used by the API and by sweeps: nothing here commits or enqueues. A model gets its job settled at once, with
+the reason, and is never enqueued when it is (in this order): a PEFT adapter without weights of its own
+(SKIPPED(adapter)), weights only as GGUF, ONNX or MLX (SKIPPED(format)), in need of trust_remote_code from an
+org not allowlisted (SKIPPED(remote_code)), gated where the token cannot read it (SKIPPED(gated)), quantized
+with a method the backend does not load (SKIPPED(quantized), ``shared.hub.kinds``), too large for 16 cores
+(SKIPPED(too_large)), or impossible to size (ERROR(unsizable)). A pipeline tag we have no test for is refused
+(UnsupportedTask: the API's 422, naming the tasks we run).
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from dataclasses import dataclass
 from sqlalchemy.orm import Session
 
 from shared.enums import ErrorClass, Task, Verdict
-from shared.hub.client import Gated, ResolvedModel, Unsizable, model_shape, resolve_model
-from shared.hub.sizing import default_core_memory_bytes, size_model
+from shared.hub import kinds
+from shared.hub.client import Gated, ResolvedModel, Unsizable, adapter_base, model_shape, read_json, resolve_model
+from shared.hub.kinds import Refusal
+from shared.hub.sizing import default_core_memory_bytes, run_dtype, size_model
 from shared.jobs import rules as jobs
 from shared.settings import Settings
 
@@ -48,7 +53,8 @@ def choose_task(model: ResolvedModel, requested: Task | None) -> Task:
     if task is None:
         raise UnsupportedTask(
             f"{model.model_id} is tagged {model.pipeline_tag!r}, which has no test here; "
-            f"pass task (one of {[t.value for t in Task]})"
+            f"the tasks tested are {', '.join(t.value for t in Task)} (pipeline tags "
+            f"{', '.join(TASK_BY_PIPELINE)}): pass task to test it as one of them"
         )
     return task
 
@@ -58,23 +64,7 @@ def submit_model(session: Session, settings: Settings, request: Request) -> list
     model = resolve_model(request.model_id, request.revision, fresh=request.fresh)
     task = choose_task(model, request.task)
     runtimes = jobs.plan_runtimes(session, settings, request.compilers)
-    cores, refusal = request.cores, None
-    org = model.model_id.split("/")[0]
-    if model.needs_remote_code and org not in settings.remote_code_orgs:
-        reason = f"{model.model_id} needs trust_remote_code; {org} is not in SUPPORTMATRIX_REMOTE_CODE_ORGS"
-        refusal = (Verdict.SKIPPED, ErrorClass.remote_code, reason)
-    elif cores is None:
-        try:
-            sizing = size_model(
-                model_shape(model), default_core_memory_bytes(settings.backend, settings.core_memory_gib)
-            )
-            cores = sizing.cores
-            if cores is None:
-                refusal = (Verdict.SKIPPED, ErrorClass.too_large, sizing.reason)
-        except Unsizable as exc:
-            refusal = (Verdict.ERROR, ErrorClass.unsizable, str(exc))
-        except Gated as exc:
-            refusal = (Verdict.SKIPPED, ErrorClass.gated, str(exc))
+    cores, refusal = admit(model, settings, request.cores)
     submitted = jobs.submit(session, model, request.revision, runtimes, force=request.force, task=task.value,
                             cores=cores or 1)  # fmt: skip
     if refusal is not None:
@@ -84,3 +74,39 @@ def submit_model(session: Session, settings: Settings, request: Request) -> list
                 jobs.settle(session, s.job, *refusal)
                 s.enqueue = False
     return submitted
+
+
+def admit(model: ResolvedModel, settings: Settings, cores: int | None) -> tuple[int | None, Refusal | None]:
+    """The cores a model runs on (``cores`` when forced, else sized), or why it gets a row without running."""
+    if kinds.is_adapter_only(model.files):
+        return cores, kinds.adapter_refusal(model.model_id, adapter_base(model))
+    refusal = kinds.format_refusal(model.model_id, model.files, model.library_name, model.tags)
+    if refusal is not None:
+        return cores, refusal
+    org = model.model_id.split("/")[0]
+    if model.needs_remote_code and org not in settings.remote_code_orgs:
+        reason = f"{model.model_id} needs trust_remote_code; {org} is not in SUPPORTMATRIX_REMOTE_CODE_ORGS"
+        return cores, Refusal(Verdict.SKIPPED, ErrorClass.remote_code, reason)
+    try:
+        config = read_json(model, "config.json")
+    except Gated as exc:
+        return cores, Refusal(Verdict.SKIPPED, ErrorClass.gated, str(exc))
+    except Unsizable as exc:
+        # Forced cores need no size: the runner reports what it finds.
+        return cores, None if cores is not None else Refusal(Verdict.ERROR, ErrorClass.unsizable, str(exc))
+    method = kinds.quantization_method(config)
+    if method is not None:
+        refusal = kinds.quantization_refusal(model.model_id, method, settings.backend)
+        if refusal is not None:
+            return cores, refusal
+    if cores is not None:
+        return cores, None
+    try:
+        shape = model_shape(model, config)
+    except Unsizable as exc:
+        return None, Refusal(Verdict.ERROR, ErrorClass.unsizable, str(exc))
+    memory = default_core_memory_bytes(settings.backend, settings.core_memory_gib)
+    sizing = size_model(shape, memory, run_dtype=run_dtype(settings.backend, settings.cpu_dtype))
+    if sizing.cores is None:
+        return None, Refusal(Verdict.SKIPPED, ErrorClass.too_large, sizing.reason)
+    return sizing.cores, None

@@ -36,7 +36,7 @@ VIEWS = ("trending", "downloads")
 @dataclass(frozen=True)
 class Candidate:
     model_id: str
-    task: str
+    task: str  # "": a selected model without a task, tested as its pipeline tag says (or refused)
     view: str
     rank: int
 
@@ -54,11 +54,13 @@ def open_sweep(session: Session, settings: Settings, trigger: str, slot: str | N
 
 
 def candidates(settings: Settings) -> list[Candidate]:
-    """Per configured task: the pinned selection, then trending and downloads tops, each in rank order."""
+    """Per configured task: the pinned selection, then trending and downloads tops, each in rank order. A
+    listing holds only the pipeline tags we test (``PIPELINES``): a model tagged image-text-to-text, say, is never
+    a candidate; a selected one without a task is tested as its tag says, as POST /jobs would."""
     found = []
     for rank, entry in enumerate(settings.sweep_selected, start=1):
         model_id, _, task = entry.partition(":")
-        found.append(Candidate(model_id, task or Task.text_generation.value, "selected", rank))
+        found.append(Candidate(model_id, task, "selected", rank))
     for task in settings.sweep_tasks:
         for view in VIEWS:
             listed = [m for tag in PIPELINES[task] for m in list_top(tag, view, settings.sweep_limit)]
@@ -77,7 +79,8 @@ def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.S
         key = (c.model_id, c.task)
         if key not in submitted_before:
             try:
-                submitted = submit_model(session, settings, Request(c.model_id, task=Task(c.task), fresh=True))
+                task = Task(c.task) if c.task else None
+                submitted = submit_model(session, settings, Request(c.model_id, task=task, fresh=True))
                 submitted_before[key] = (submitted, None)
             except (ModelNotFound, RevisionNotFound, ValueError, jobs.NoRuntime) as exc:  # ValueError: task, compiler
                 submitted_before[key] = ([], str(exc))
@@ -98,7 +101,7 @@ def add_entries(
             SweepEntry(
                 sweep_id=sweep.id,
                 model_id=candidate.model_id,
-                task=candidate.task,
+                task=candidate.task or (s.job.task if s else ""),
                 view=candidate.view,
                 rank=candidate.rank,
                 job_id=s.job.id if s else None,
@@ -154,7 +157,7 @@ class SweepEntryOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
     model_id: str
-    task: str
+    task: str = Field(description="The task tested; empty for a selected model whose task could not be chosen.")
     view: str
     rank: int
     job_id: int | None
