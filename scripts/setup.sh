@@ -10,4 +10,8 @@ python3 -m venv .venv
 if ! command -v docker-compose >/dev/null && [ "$(id -u)" = 0 ]; then
     apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose >/dev/null
 fi
+# tests/test_metrics.py runs a real Prometheus against the stack and promtool over the config and alert rules.
+if ! command -v prometheus >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
 .venv/bin/python -c "import torch, transformers, celery, fastapi; print('torch', torch.__version__, '| transformers', transformers.__version__)"

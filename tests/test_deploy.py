@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import yaml
 
 from testing.compose import NativeStack, load, read_env_file, referenced_variables
 from tests.conftest import PG_BASE, REDIS_BASE, ROOT, pg_url
+from tests.test_metrics import assert_every_expression_returns_data, running_prometheus
 
 COMPOSE = ROOT / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
@@ -233,7 +235,9 @@ def test_the_compose_stack_runs_a_job_as_local_processes(
 ) -> None:
     """migrate, api, the cpu host launcher, the control worker and beat, from docker-compose.yml: each
     healthcheck passes, a job submitted with a token runs on a compiler only this stack serves (eager),
-    its verdict stage runs on this host's verdict worker, and the collector exports it."""
+    its verdict stage runs on this host's verdict worker, and the collector exports it. A real Prometheus
+    scrapes the API (the repo's config and alert rules, every second) from before the job: afterwards every
+    dashboard panel's PromQL and every alert rule's signal returns data."""
     import psycopg
     import redis
 
@@ -262,9 +266,11 @@ def test_the_compose_stack_runs_a_job_as_local_processes(
         extra_env={"HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_XET": "1"},
     )
     assert set(stack.services) == {"migrate", "api", "host-cpu", "control", "beat"}
+    scraping = ExitStack()
     try:
         stack.up(timeout=120)
         stack.wait_all_healthy(timeout=180)
+        prometheus = scraping.enter_context(running_prometheus(stack.port("api", 8000), tmp_path / "prometheus"))
         api_env = stack.services["api"].env
         token = subprocess.run(
             ["python", "-m", "services.api.tokens", "create", "compose-smoke", "--scope", "submit"],
@@ -297,5 +303,7 @@ def test_the_compose_stack_runs_a_job_as_local_processes(
             time.sleep(1)
         holder = redis.Redis.from_url(redis_url).get(LOCK_KEY)
         assert holder and f":{stack.services['beat'].proc.pid}:" in holder.decode(), holder  # type: ignore[union-attr]
+        assert_every_expression_returns_data(prometheus)
     finally:
+        scraping.close()
         stack.down()

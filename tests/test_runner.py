@@ -167,3 +167,6 @@ def test_evidence_comes_from_what_greedy_picked_from(tiny_models: Path, tmp_path
     evidence = report["evidence"]
     assert all(step["rank"] < 5 and step["gap"] <= 0.3 for step in evidence["divergent_steps"])
     assert any(step > divergence for step in evidence["processor_reordered_steps"])  # the penalty mattered
+    # what sizing predicted per core is kept beside what was measured; the model compiled once (prefill, decode)
+    assert report["predicted_peak_bytes_per_core"] > 0 and report["peak_memory_bytes"] > 0
+    assert report["graphs_compiled"] == 2

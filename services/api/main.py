@@ -18,7 +18,7 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.api.errors import unavailable
-from services.api.metrics import StateCollector
+from services.api.metrics import StateCollector, instrument
 from services.api.routes import failures, health, jobs, results, sweeps, workers
 from shared.hub.client import bound_hub_requests
 from shared.settings import get_settings
@@ -124,6 +124,7 @@ def create_app() -> FastAPI:
 
     registry = CollectorRegistry()
     registry.register(StateCollector())
+    instrument(app, registry)
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["health"])
     def metrics() -> Any:

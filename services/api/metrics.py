@@ -1,50 +1,495 @@
-"""Prometheus metrics read from SQL at scrape time, labelled with the shared enums."""
+"""Prometheus metrics, computed from SQL at scrape time and labelled with the shared enums; and the API's own
+HTTP metrics.
+
+Why SQL and not the workers' own registries (prometheus_client's multiprocess mode): workers are short-lived
+processes the host launcher starts and drains on several hosts, their runners are children that die with
+their model, and a multiprocess registry needs a shared directory per host plus the cleanup of dead pids.
+Every fact a dashboard needs is already a row — a job's state, queue, stage timestamps and deliveries, a
+result's verdict, timings and cache outcome, a worker's heartbeat and cores — so the API reads them when
+Prometheus scrapes, and Prometheus scrapes the API only. A counter here is a count of rows that only grow
+(results, deliveries): it is monotonic without any process keeping it.
+
+Each family costs one query (the host family two, both over small sets); ``bench/metrics_scrape.py``
+measures them over 1 M result rows.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import datetime as dt
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import sqlalchemy as sa
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from sqlalchemy.orm import Session
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shared.cores import CoreGroup
 from shared.db.engine import new_session
-from shared.db.models import Job, Result
-from shared.enums import JobState, Verdict
-from shared.jobs.rules import live_workers
-from shared.settings import get_settings
+from shared.db.models import Job, QueueSeen, Result, Sweep, SweepEntry, Worker, utcnow
+from shared.enums import JobState, Stage, SweepState, Verdict
+from shared.settings import Settings, get_settings
+
+# Seconds; the slowest runner is bounded by SUPPORTMATRIX_JOB_TIMEOUT_S (1 h by default), the buckets go to 2 h.
+DURATION_BUCKETS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 2700.0, 3600.0, 5400.0, 7200.0)
+CACHE_OUTCOMES = ("hit", "miss", "none")
+SLOWEST = 10  # rows of the slowest-models gauge
+UNMATCHED = "<unmatched>"  # the route label of a request no route matched (bounded cardinality)
+
+
+def seconds_between(start: Any, end: Any, dialect: str) -> sa.ColumnElement[float]:
+    """``end - start`` in seconds, on PostgreSQL and SQLite alike."""
+    if dialect == "postgresql":  # date_part is float8; EXTRACT is numeric, several times slower over 1 M rows
+        return sa.func.date_part("epoch", end - start, type_=sa.Float)
+    return (sa.func.julianday(end) - sa.func.julianday(start)) * 86400.0
+
+
+def _text(value: str) -> sa.ColumnElement[str]:
+    """A constant column, inlined (a bound parameter in a UNION leaves PostgreSQL guessing its type)."""
+    return sa.literal_column(f"'{value}'", sa.String)
+
+
+def bounds_at_or_above(value: sa.ColumnElement[float], dialect: str) -> sa.ColumnElement[int]:
+    """How many bucket bounds are >= ``value`` (NULL for NULL): the row's bucket, as one number per row, so that a
+    GROUP BY on it counts each bucket in one pass. PostgreSQL: ``width_bucket`` over the negated bounds, which
+    evaluates ``value`` once; elsewhere a CASE chain."""
+    if dialect == "postgresql":
+        negated = sa.literal_column("ARRAY[" + ",".join(f"{-b}" for b in reversed(DURATION_BUCKETS)) + "]::float8[]")
+        return sa.func.width_bucket(-value, negated)
+    n = len(DURATION_BUCKETS)
+    return sa.case(
+        (value.is_(None), sa.null()),
+        *((value <= bound, n - i) for i, bound in enumerate(DURATION_BUCKETS)),
+        else_=0,
+    )
+
+
+class Buckets:
+    """Rows of (bucket, count, sum) gathered into one cumulative Prometheus histogram per label set."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0.0] * (len(DURATION_BUCKETS) + 1))
+        self.sums: dict[tuple[str, ...], float] = defaultdict(float)
+
+    def add(self, labels: tuple[str, ...], bucket: int | None, n: int, total: Any) -> None:
+        if bucket is None:
+            return
+        self.counts[labels][int(bucket)] += n
+        self.sums[labels] += float(total or 0)
+
+    def into(self, family: HistogramMetricFamily) -> HistogramMetricFamily:
+        n = len(DURATION_BUCKETS)
+        for labels, by_bucket in sorted(self.counts.items()):
+            # by_bucket[k]: rows with exactly k bounds >= value; at or below bound j: rows with k >= n - j
+            cumulative = [sum(by_bucket[n - j :]) for j in range(n)]
+            buckets = [(str(bound), c) for bound, c in zip(DURATION_BUCKETS, cumulative, strict=True)]
+            family.add_metric(list(labels), [*buckets, ("+Inf", sum(by_bucket))], self.sums[labels])
+        return family
+
+
+def largest_free_group(free: set[int]) -> int:
+    """The size of the largest aligned power-of-two group of cores in ``free`` (0 when none)."""
+    size = 1
+    while size * 2 <= max(len(free), 1):
+        size *= 2
+    while size >= 1:
+        starts = {core - core % size for core in free}
+        if any(all(c in free for c in range(start, start + size)) for start in starts):
+            return size
+        size //= 2
+    return 0
 
 
 class StateCollector(Collector):
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        jobs = GaugeMetricFamily("supportmatrix_jobs", "Jobs by state", labels=["state"])
+    """Every SQL-derived family, read when Prometheus scrapes."""
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        sessions: Callable[[], Session] = new_session,
+        clock: Callable[[], dt.datetime] = utcnow,
+    ) -> None:
+        self._settings = settings
+        self._sessions = sessions
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        settings = self._settings or get_settings()
+        now = self._clock()
+        with self._sessions() as session:
+            dialect = session.get_bind().dialect.name
+            yield from self.jobs(session)
+            yield from self.queues(session, now)
+            yield from self.results(session, settings, now)
+            yield from self.durations(session, dialect)
+            yield from self.compile_durations(session, dialect)
+            yield from self.slowest(session)
+            yield from self.deliveries(session)
+            yield from self.hosts(session, settings, now)
+            yield from self.sweeps(session)
+        timeout = GaugeMetricFamily(
+            "supportmatrix_job_timeout_seconds", "The hard limit on one runner (SUPPORTMATRIX_JOB_TIMEOUT_S)"
+        )
+        timeout.add_metric([], settings.job_timeout_s)
+        yield timeout
+
+    # --- jobs and queues ------------------------------------------------------------------------------
+
+    def jobs(self, session: Session) -> Iterator[Metric]:
+        family = GaugeMetricFamily("supportmatrix_jobs", "Jobs by state", labels=["state"])
+        counts = dict(session.execute(sa.select(Job.state, sa.func.count()).group_by(Job.state)).tuples().all())
+        for state in JobState:
+            family.add_metric([state.value], counts.get(state, 0))
+        yield family
+
+    def queues(self, session: Session, now: dt.datetime) -> Iterator[Metric]:
+        """Jobs waiting per queue, counted in SQL (Redis's LLEN reads 0 while every worker holds a message),
+        and the age of the oldest. Every queue a live worker ever served is listed, empty ones at 0."""
+        accelerator = (
+            sa.select(_text(Stage.accelerator.value), Job.queue, sa.func.count(), sa.func.min(Job.created_at))
+            .where(Job.state == JobState.queued)
+            .group_by(Job.queue)
+        )
+        verdict = (
+            sa.select(_text(Stage.verdict.value), Job.verdict_queue, sa.func.count(), sa.func.min(Job.judging_at))
+            .where(Job.state == JobState.judging, Job.lease_owner.is_(None))
+            .group_by(Job.verdict_queue)
+        )
+        known = sa.select(_text(""), QueueSeen.queue, sa.literal_column("0"), sa.null())
+        depth = GaugeMetricFamily(
+            "supportmatrix_queue_depth", "Jobs waiting for a worker, per queue and stage", labels=["queue", "stage"]
+        )
+        age = GaugeMetricFamily(
+            "supportmatrix_queue_oldest_age_seconds",
+            "Age of the oldest waiting job per queue (since submission, or since its accelerator stage ended)",
+            labels=["queue", "stage"],
+        )
+        waiting: dict[tuple[str, str], tuple[int, float]] = {}
+        seen: set[str] = set()
+        for stage, queue, n, oldest in session.execute(sa.union_all(accelerator, verdict, known)).tuples():
+            if not stage:
+                seen.add(queue)
+                continue
+            waiting[(queue, stage)] = (n, max(0.0, (now - oldest).total_seconds()) if oldest else 0.0)
+        for queue in seen:
+            stage = Stage.verdict.value if queue.startswith("supportmatrix.verdict.") else Stage.accelerator.value
+            waiting.setdefault((queue, stage), (0, 0.0))
+        for (queue, stage), (n, oldest_s) in sorted(waiting.items()):
+            depth.add_metric([queue, stage], n)
+            age.add_metric([queue, stage], oldest_s)
+        yield depth
+        yield age
+
+    # --- results --------------------------------------------------------------------------------------
+
+    def results(self, session: Session, settings: Settings, now: dt.datetime) -> Iterator[Metric]:
+        """One GROUP BY over results gives the verdict mix, the error classes and the compile-cache outcomes
+        per compiler version; every served compiler version gets its zero series from the start, so that the
+        first result is an increase Prometheus sees."""
+        rows = session.execute(
+            sa.select(
+                Result.compiler_version, Result.verdict, Result.error_class, Result.compile_cache, sa.func.count()
+            ).group_by(Result.compiler_version, Result.verdict, Result.error_class, Result.compile_cache)
+        ).tuples()
+        verdicts: dict[tuple[str, str, str], int] = defaultdict(int)
+        cache: dict[tuple[str, str], int] = defaultdict(int)
+        legacy: dict[tuple[str, str], int] = defaultdict(int)
+        for version, verdict, error_class, outcome, n in rows:
+            version = version or ""
+            klass = error_class.value if error_class else ""
+            verdicts[(version, verdict.value, klass)] += n
+            legacy[(verdict.value, klass)] += n
+            cache[(version, outcome or "none")] += n
+        since = now - dt.timedelta(seconds=settings.worker_stale_s)
+        served = session.scalars(sa.select(Worker.compiler_version).where(Worker.heartbeat_at >= since).distinct())
+        for version in {v for v, *_ in verdicts} | set(served):
+            for verdict in Verdict:
+                verdicts.setdefault((version, verdict.value, ""), 0)
+            for outcome in CACHE_OUTCOMES:
+                cache.setdefault((version, outcome), 0)
+        for verdict in Verdict:
+            legacy.setdefault((verdict.value, ""), 0)
+
+        total = CounterMetricFamily(
+            "supportmatrix_verdicts",
+            "Results by compiler version, verdict and error class",
+            labels=["compiler_version", "verdict", "error_class"],
+        )
+        for key, n in sorted(verdicts.items()):
+            total.add_metric(list(key), n)
+        yield total
+        outcomes = CounterMetricFamily(
+            "supportmatrix_compile_cache",
+            "Results by compiler version and compile-cache outcome (hit, miss, none: no persistent cache)",
+            labels=["compiler_version", "outcome"],
+        )
+        for key, n in sorted(cache.items()):
+            outcomes.add_metric(list(key), n)
+        yield outcomes
         results = GaugeMetricFamily(
             "supportmatrix_results", "Results by verdict and error class", labels=["verdict", "error_class"]
         )
-        workers = GaugeMetricFamily(
+        for key, n in sorted(legacy.items()):
+            results.add_metric(list(key), n)
+        yield results
+        last = session.scalar(sa.select(Result.created_at).order_by(Result.id.desc()).limit(1))
+        if last is not None:
+            stamp = GaugeMetricFamily(
+                "supportmatrix_last_result_timestamp_seconds", "When the newest result row was written (Unix time)"
+            )
+            stamp.add_metric([], last.timestamp())
+            yield stamp
+
+    def durations(self, session: Session, dialect: str) -> Iterator[Metric]:
+        """Both stages in one pass over the judging and finished jobs: the accelerator stage from its lease to
+        the release of its cores (or the job's end), the verdict stage from then to the job's end."""
+        accelerator = seconds_between(Job.started_at, sa.func.coalesce(Job.judging_at, Job.finished_at), dialect)
+        verdict = seconds_between(Job.judging_at, Job.finished_at, dialect)
+        inner = (
+            sa.select(Job.compiler_version.label("version"), accelerator.label("a"), verdict.label("v"))
+            .where(Job.state.in_((JobState.judging, JobState.done, JobState.failed)), Job.started_at.is_not(None))
+            .subquery()
+        )
+        a_bucket = bounds_at_or_above(inner.c.a, dialect)
+        v_bucket = bounds_at_or_above(inner.c.v, dialect)
+        rows = session.execute(
+            sa.select(
+                inner.c.version, a_bucket, v_bucket, sa.func.count(), sa.func.sum(inner.c.a), sa.func.sum(inner.c.v)
+            ).group_by(inner.c.version, a_bucket, v_bucket)
+        ).tuples()
+        buckets = Buckets()
+        for version, a, v, n, a_total, v_total in rows:
+            buckets.add((version, Stage.accelerator.value), a, n, a_total)
+            buckets.add((version, Stage.verdict.value), v, n, v_total)
+        yield buckets.into(
+            HistogramMetricFamily(
+                "supportmatrix_job_duration_seconds",
+                "Duration of a job's stages (each bounded by SUPPORTMATRIX_JOB_TIMEOUT_S)",
+                labels=["compiler_version", "stage"],
+            )
+        )
+
+    def compile_durations(self, session: Session, dialect: str) -> Iterator[Metric]:
+        bucket = bounds_at_or_above(Result.compile_s, dialect)
+        rows = session.execute(
+            sa.select(Result.compiler_version, bucket, sa.func.count(), sa.func.sum(Result.compile_s))
+            .where(Result.compile_s.is_not(None))
+            .group_by(Result.compiler_version, bucket)
+        ).tuples()
+        buckets = Buckets()
+        for version, index, n, total in rows:
+            buckets.add((version or "",), index, n, total)
+        yield buckets.into(
+            HistogramMetricFamily(
+                "supportmatrix_compile_duration_seconds",
+                "Compile time of the accelerator run (first call minus second)",
+                labels=["compiler_version"],
+            )
+        )
+
+    def slowest(self, session: Session) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "supportmatrix_slowest_models_wall_seconds",
+            f"The {SLOWEST} slowest results: wall time (load + compile + generate) by model",
+            labels=["model_id", "compiler_version", "cores"],
+        )
+        rows = session.execute(
+            sa.select(Job.model_id, Result.compiler_version, Result.cores, Result.wall_s)
+            .join(Job, Job.id == Result.job_id)
+            .where(Result.wall_s.is_not(None))
+            .order_by(Result.wall_s.desc())
+            .limit(SLOWEST)
+        ).tuples()
+        for model_id, version, cores, wall_s in rows:
+            family.add_metric([model_id, version or "", str(cores)], wall_s)
+        yield family
+
+    def deliveries(self, session: Session) -> Iterator[Metric]:
+        """Redeliveries (a stage taken again after its first delivery: a lost worker's job taken over), the
+        reconciler's re-sends (jobs.resends), and the active jobs riding on a re-sent message. One query over
+        the partial index of jobs with any of them (ix_jobs_redelivered)."""
+        again = sa.func.sum(sa.case((Job.attempts > 1, Job.attempts - 1), else_=0))
+        verdict_again = sa.func.sum(sa.case((Job.verdict_attempts > 1, Job.verdict_attempts - 1), else_=0))
+        resent = Job.resends > 0
+        accelerator_resent = sa.and_(resent, Job.state.in_((JobState.queued, JobState.running)))
+        verdict_resent = sa.and_(resent, Job.state == JobState.judging, Job.enqueued_at > Job.judging_at)
+        row = session.execute(
+            sa.select(
+                again,
+                verdict_again,
+                sa.func.sum(sa.case((accelerator_resent, 1), else_=0)),
+                sa.func.sum(sa.case((verdict_resent, 1), else_=0)),
+                sa.func.sum(Job.resends),
+            ).where(sa.or_(Job.attempts > 1, Job.verdict_attempts > 1, resent))
+        ).one()
+        redeliveries = CounterMetricFamily(
+            "supportmatrix_redeliveries",
+            "Deliveries that took a job's stage again after its first (jobs.attempts, verdict_attempts)",
+            labels=["stage"],
+        )
+        redeliveries.add_metric([Stage.accelerator.value], row[0] or 0)
+        redeliveries.add_metric([Stage.verdict.value], row[1] or 0)
+        yield redeliveries
+        riding = GaugeMetricFamily(
+            "supportmatrix_resent_jobs",
+            "Active jobs whose pending message the reconciler re-sent (the first one was lost or not taken)",
+            labels=["stage"],
+        )
+        riding.add_metric([Stage.accelerator.value], row[2] or 0)
+        riding.add_metric([Stage.verdict.value], row[3] or 0)
+        yield riding
+        yield CounterMetricFamily(
+            "supportmatrix_reconciler_resends",
+            "Messages the reconciler sent again for jobs whose message was lost or not taken (jobs.resends)",
+            value=row[4] or 0,
+        )
+
+    # --- hosts and workers ------------------------------------------------------------------------------
+
+    def hosts(self, session: Session, settings: Settings, now: dt.datetime) -> Iterator[Metric]:
+        """Per host, from the workers table: cores of live core-group workers that hold a running job (busy)
+        or not (idle), the largest aligned group among the idle ones, and worker liveness."""
+        workers = session.execute(
+            sa.select(Worker.name, Worker.host, Worker.cores, Worker.compiler_version, Worker.heartbeat_at)
+        ).tuples()
+        owners = session.scalars(sa.select(Job.lease_owner).where(Job.state == JobState.running)).all()
+        busy_owners = {owner.rpartition(":")[0] for owner in owners if owner}  # "<name>@<host>"
+        stale = now - dt.timedelta(seconds=settings.worker_stale_s)
+        cores: dict[str, dict[str, int]] = defaultdict(lambda: {"busy": 0, "idle": 0})
+        idle: dict[str, set[int]] = defaultdict(set)
+        liveness: dict[str, dict[str, int]] = defaultdict(lambda: {"live": 0, "stale": 0})
+        heartbeat: dict[str, dt.datetime] = {}
+        per_compiler: dict[str, int] = defaultdict(int)
+        for name, host, core_range, version, beat in workers:
+            heartbeat[host] = max(beat, heartbeat.get(host, beat))
+            if beat < stale:
+                liveness[host]["stale"] += 1
+                continue
+            liveness[host]["live"] += 1
+            per_compiler[version] += 1
+            group = CoreGroup.parse(core_range)
+            if f"{name.split('@')[0]}@{host}" in busy_owners:
+                cores[host]["busy"] += group.size
+            else:
+                cores[host]["idle"] += group.size
+                idle[host].update(group.cores)
+
+        host_cores = GaugeMetricFamily(
+            "supportmatrix_host_cores", "Cores of live core-group workers, busy or idle", labels=["host", "state"]
+        )
+        largest = GaugeMetricFamily(
+            "supportmatrix_host_largest_free_group_cores",
+            "The largest aligned power-of-two group among a host's idle cores (fragmentation)",
+            labels=["host"],
+        )
+        for host, by_state in sorted(cores.items()):
+            for state, n in by_state.items():
+                host_cores.add_metric([host, state], n)
+            largest.add_metric([host], largest_free_group(idle[host]))
+        yield host_cores
+        yield largest
+        registered = GaugeMetricFamily(
+            "supportmatrix_workers",
+            "Core-group worker rows per host: live, or stale (no heartbeat for SUPPORTMATRIX_WORKER_STALE_S)",
+            labels=["host", "state"],
+        )
+        age = GaugeMetricFamily(
+            "supportmatrix_host_heartbeat_age_seconds", "Seconds since any worker of the host beat", labels=["host"]
+        )
+        for host, by_state in sorted(liveness.items()):
+            for state, n in by_state.items():
+                registered.add_metric([host, state], n)
+            age.add_metric([host], max(0.0, (now - heartbeat[host]).total_seconds()))
+        yield registered
+        yield age
+        live = GaugeMetricFamily(
             "supportmatrix_live_workers", "Live workers by compiler version", labels=["compiler_version"]
         )
-        with new_session() as session:
-            counts = dict(session.execute(sa.select(Job.state, sa.func.count()).group_by(Job.state)).all())
-            for state in JobState:
-                jobs.add_metric([state.value], counts.get(state, 0))
-            by_verdict = session.execute(
-                sa.select(Result.verdict, Result.error_class, sa.func.count()).group_by(
-                    Result.verdict, Result.error_class
-                )
-            ).all()
-            seen = set()
-            for verdict, error_class, n in by_verdict:
-                seen.add(verdict)
-                results.add_metric([verdict.value, error_class.value if error_class else ""], n)
-            for verdict in Verdict:
-                if verdict not in seen:
-                    results.add_metric([verdict.value, ""], 0)
-            per_compiler: dict[str, int] = {}
-            for w in live_workers(session, get_settings()):
-                per_compiler[w.compiler_version] = per_compiler.get(w.compiler_version, 0) + 1
-            for version, n in sorted(per_compiler.items()):
-                workers.add_metric([version], n)
-        yield jobs
-        yield results
-        yield workers
+        for version, n in sorted(per_compiler.items()):
+            live.add_metric([version], n)
+        yield live
+
+    # --- sweeps ---------------------------------------------------------------------------------------
+
+    def sweeps(self, session: Session) -> Iterator[Metric]:
+        """Sweeps by state, and the progress of the unfinished ones and of the newest: their entries by the
+        state of the job each got ("none": no job, e.g. a model refused before sizing)."""
+        by_state = GaugeMetricFamily("supportmatrix_sweeps", "Sweeps by state", labels=["state"])
+        counts = dict(session.execute(sa.select(Sweep.state, sa.func.count()).group_by(Sweep.state)).tuples().all())
+        for state in SweepState:
+            by_state.add_metric([state.value], counts.get(state, 0))
+        yield by_state
+        current = sa.union(
+            sa.select(Sweep.id).where(Sweep.state.in_((SweepState.queued, SweepState.running))),
+            sa.select(sa.func.max(Sweep.id)),
+        )
+        rows = session.execute(
+            sa.select(SweepEntry.sweep_id, Job.state, sa.func.count())
+            .outerjoin(Job, Job.id == SweepEntry.job_id)
+            .where(SweepEntry.sweep_id.in_(sa.select(current.subquery().c[0])))
+            .group_by(SweepEntry.sweep_id, Job.state)
+        ).tuples()
+        progress = GaugeMetricFamily(
+            "supportmatrix_sweep_entries",
+            "Entries of the unfinished sweeps and the newest, by the state of their job",
+            labels=["sweep_id", "job_state"],
+        )
+        for sweep_id, state, n in rows:
+            progress.add_metric([str(sweep_id), state.value if state else "none"], n)
+        yield progress
+
+
+# --- the API's own HTTP metrics ---------------------------------------------------------------------------
+
+
+class HttpMetrics:
+    """Counts and times each request by method, route template (``/jobs/{job_id}``, never the raw path) and
+    status, as pure ASGI middleware: streamed bodies pass through untouched."""
+
+    def __init__(self, app: ASGIApp, requests: Counter, latency: Histogram) -> None:
+        self.app = app
+        self.requests = requests
+        self.latency = latency
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        started = time.perf_counter()
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or UNMATCHED
+            labels = (scope["method"], template, str(status))
+            self.requests.labels(*labels).inc()
+            self.latency.labels(*labels).observe(time.perf_counter() - started)
+
+
+def instrument(app: Any, registry: CollectorRegistry) -> None:
+    """Add the HTTP metrics of ``app`` to ``registry`` (the one its /metrics exposes)."""
+    labels = ["method", "route", "status"]
+    requests = Counter(
+        "supportmatrix_http_requests", "API requests by method, route and status", labels, registry=registry
+    )
+    latency = Histogram(
+        "supportmatrix_http_request_duration_seconds",
+        "API request latency by method, route and status",
+        labels,
+        registry=registry,
+        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    )
+    app.add_middleware(HttpMetrics, requests=requests, latency=latency)

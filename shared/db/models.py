@@ -92,6 +92,7 @@ class Job(RuntimeIdentity, Base):
     verdict_attempts: Mapped[int] = mapped_column(default=0, server_default="0")
     judging_at: Mapped[dt.datetime | None]  # the accelerator stage ended and the cores were released
     enqueued_at: Mapped[dt.datetime | None]  # the last time a message was sent for it (the reconciler re-sends)
+    resends: Mapped[int] = mapped_column(default=0, server_default="0")  # messages the reconciler sent again
     # Every delivery that took the lease: owner, stage, start, and how it ended — what ERROR(worker_lost) lists.
     attempt_log: Mapped[list[dict[str, Any]]] = mapped_column(sa.JSON, default=list, server_default="[]")
     lease_owner: Mapped[str | None] = mapped_column(sa.String(200))
@@ -106,6 +107,23 @@ class Job(RuntimeIdentity, Base):
 
     __table_args__ = (
         sa.Index("ix_jobs_compiler_version", "compiler_version"),
+        # What /metrics reads at every scrape (bench/metrics_scrape.py measures them at 1 M rows): stage
+        # durations of jobs past their accelerator stage, redeliveries and re-sends.
+        sa.Index(
+            "ix_jobs_stage_times",
+            "compiler_version",
+            "started_at",
+            "judging_at",
+            "finished_at",
+            sqlite_where=sa.text("state IN ('judging', 'done', 'failed') AND started_at IS NOT NULL"),
+            postgresql_where=sa.text("state IN ('judging', 'done', 'failed') AND started_at IS NOT NULL"),
+        ),
+        sa.Index(
+            "ix_jobs_redelivered",
+            "id",
+            sqlite_where=sa.text("attempts > 1 OR verdict_attempts > 1 OR resends > 0"),
+            postgresql_where=sa.text("attempts > 1 OR verdict_attempts > 1 OR resends > 0"),
+        ),
         # At most one queued or running job per identity: concurrent duplicate submissions
         # cannot both insert. Finished jobs stay out of it so `force` can rerun them.
         sa.Index(
@@ -173,6 +191,20 @@ class Result(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     job: Mapped[Job] = relationship(back_populates="result")
+
+    __table_args__ = (
+        # /metrics' families over every finished row (bench/metrics_scrape.py): verdicts and cache outcomes per
+        # compiler version, compile-time histograms, the slowest models.
+        sa.Index("ix_results_metrics", "compiler_version", "verdict", "error_class", "compile_cache"),
+        sa.Index(
+            "ix_results_compile_s", "compiler_version", "compile_s",
+            sqlite_where=sa.text("compile_s IS NOT NULL"), postgresql_where=sa.text("compile_s IS NOT NULL"),
+        ),
+        sa.Index(
+            "ix_results_wall_s", "wall_s",
+            sqlite_where=sa.text("wall_s IS NOT NULL"), postgresql_where=sa.text("wall_s IS NOT NULL"),
+        ),
+    )  # fmt: skip
 
 
 class Worker(RuntimeIdentity, Base):

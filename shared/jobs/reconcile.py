@@ -80,7 +80,8 @@ def reconcile(session: Session, settings: Settings, now: dt.datetime | None = No
             continue
         out.resend.append(Resend(job.id, queue, stage))
     if out.resend:
-        session.execute(sa.update(Job).where(Job.id.in_([r.job_id for r in out.resend])).values(enqueued_at=now))
+        resent = sa.update(Job).where(Job.id.in_([r.job_id for r in out.resend]))
+        session.execute(resent.values(enqueued_at=now, resends=Job.resends + 1))
     sweep_stale = now - dt.timedelta(seconds=settings.sweep_lease_s)
     handed_back = sa.func.coalesce(Sweep.claimed_at, Sweep.created_at)  # a retry's hand-back counts from then
     out.sweeps = list(

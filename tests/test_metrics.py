@@ -1,0 +1,480 @@
+"""Metrics: the SQL-derived families' exact values over seeded rows (SQLite and PostgreSQL), the API's HTTP
+metrics, the Prometheus config and alert rules under promtool, the dashboard as its generator's output — and a
+real Prometheus that scrapes a running stack (``tests/test_deploy.py``'s compose smoke test calls
+``running_prometheus`` and ``assert_every_expression_returns_data``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from shared.processes import free_port
+from tests.conftest import PG_BASE, ROOT, pg_url
+
+PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
+PROMETHEUS_CONFIG = PROMETHEUS_DIR / "prometheus.yml"
+ALERTS = PROMETHEUS_DIR / "alerts.yml"
+ALERT_TESTS = PROMETHEUS_DIR / "alerts.test.yml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "supportmatrix.json"
+DATASOURCES = ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
+T0 = dt.datetime(2026, 1, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def binary(name: str) -> str:
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(
+            f"{name} is not installed: apt-get install -y --no-install-recommends prometheus (scripts/setup.sh)"
+        )
+    return found
+
+
+# --- the SQL families over seeded rows -----------------------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def seeded(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """A fresh migrated database of either kind with jobs, results, workers and a sweep at known times."""
+    import psycopg
+    from sqlalchemy.orm import Session
+
+    from shared.db.engine import make_engine
+    from shared.db.migrate import upgrade
+
+    admin = PG_BASE.replace("postgresql+psycopg", "postgresql")
+    schema = f"metrics_{uuid.uuid4().hex[:10]}"
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'metrics.db'}"
+    else:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+        url = pg_url(schema)
+    upgrade(url)
+    engine = make_engine(url)
+    with Session(engine) as session:
+        seed(session)
+        session.commit()
+    try:
+        yield lambda: Session(engine)
+    finally:
+        engine.dispose()
+        if request.param == "postgresql":
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+def ago(seconds: float) -> dt.datetime:
+    return T0 - dt.timedelta(seconds=seconds)
+
+
+def seed(session: Any) -> None:
+    from shared.db.models import Job, QueueSeen, Result, Sweep, SweepEntry, Worker
+    from shared.enums import ErrorClass, JobState, SweepState, Verdict
+
+    runtime = {"backend": "cpu", "compiler_name": "inductor", "library_version": "5.0", "torch_version": "2.13"}
+    q1, q2, vq = "supportmatrix.jobs.cpu.v1.c1", "supportmatrix.jobs.cpu.v1.c2", "supportmatrix.verdict.h1"
+
+    def job(n: int, state: JobState, version: str = "v1", **kw: Any) -> Job:
+        row = Job(model_id=f"org/m{n}", sha="a" * 40, task="text-generation", compiler_version=version, queue=q1,
+                  state=state, **runtime, **kw)  # fmt: skip
+        session.add(row)
+        session.flush()
+        return row
+
+    job(1, JobState.queued, created_at=ago(100), enqueued_at=ago(10), resends=2)  # re-sent twice by the reconciler
+    job(2, JobState.queued, created_at=ago(40))
+    waiting = dict(created_at=ago(300), started_at=ago(200), judging_at=ago(30), verdict_queue=vq)
+    job(3, JobState.judging, **waiting, enqueued_at=ago(30))  # its verdict stage waits: 170 s accelerator
+    job(4, JobState.judging, **waiting, lease_owner="verdict@h1:9", verdict_attempts=1)  # being judged
+    job(5, JobState.running, started_at=ago(50), lease_owner="cores-0@h1:123", attempts=1)
+    a = job(6, JobState.done, started_at=ago(1000), judging_at=ago(930), finished_at=ago(885), attempts=1)
+    b = job(7, JobState.done, started_at=ago(800), judging_at=ago(550), finished_at=ago(542), attempts=2,
+            verdict_attempts=3)  # fmt: skip
+    c = job(8, JobState.failed, "v2", started_at=ago(400), finished_at=ago(388), attempts=1)
+    job(9, JobState.failed, "v2", finished_at=ago(5))  # settled at submission: never ran, no duration
+    results = [
+        (a, Verdict.PASS, None, 12.0, 50.0, "miss", ago(885)),
+        (b, Verdict.FAIL, None, 3.0, 200.0, "hit", ago(542)),
+        (c, Verdict.ERROR, ErrorClass.compile, None, None, None, ago(388)),
+    ]
+    for row, verdict, error_class, compile_s, wall_s, cache, at in results:
+        timings = {"compile_s": compile_s, "wall_s": wall_s, "compile_cache": cache, "created_at": at}
+        session.add(Result(job_id=row.id, verdict=verdict, error_class=error_class, cores=1,
+                           compiler_version=row.compiler_version, **timings))  # fmt: skip
+    worker = {**runtime, "pid": 1, "queue": q1, "compiler_version": "v1", "started_at": ago(3600)}
+    session.add_all(
+        [
+            Worker(name="cores-0@m", host="h1", cores="0", core_count=1, heartbeat_at=ago(2), **worker),
+            Worker(name="cores-1@m", host="h1", cores="1", core_count=1, heartbeat_at=ago(2), **worker),
+            Worker(name="cores-2-3@m", host="h1", cores="2-3", core_count=2, heartbeat_at=ago(3), **worker),
+            Worker(
+                name="cores-0@n",
+                host="h2",
+                cores="0",
+                core_count=1,
+                heartbeat_at=ago(1000),
+                **(worker | {"compiler_version": "v3"}),
+            ),
+            QueueSeen(queue=q2, last_live_at=ago(5)),
+            QueueSeen(queue=vq, last_live_at=ago(5)),
+        ]
+    )
+    sweep = Sweep(trigger="api", state=SweepState.running, created_at=ago(600))
+    session.add(sweep)
+    session.flush()
+    for rank, job_id in enumerate([a.id, 1, None]):
+        session.add(SweepEntry(sweep_id=sweep.id, model_id=f"org/s{rank}", task="text-generation", view="trending",
+                               rank=rank, job_id=job_id))  # fmt: skip
+
+
+def scrape(sessions: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of one collection."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.api.metrics import StateCollector
+    from shared.settings import Settings
+
+    registry = CollectorRegistry()
+    registry.register(StateCollector(Settings(worker_stale_s=60, job_timeout_s=3600), sessions, lambda: T0))
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def values(samples: dict[Any, float], name: str, **match: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple((k, v) for k, v in labels if k not in match): value
+        for (sample, labels), value in samples.items()
+        if sample == name and all(dict(labels).get(k) == v for k, v in match.items())
+    }
+
+
+def test_queues_are_counted_in_sql_with_the_age_of_their_oldest_job(seeded: Any) -> None:
+    samples = scrape(seeded)
+    depth = values(samples, "supportmatrix_queue_depth")
+    age = values(samples, "supportmatrix_queue_oldest_age_seconds")
+    key = lambda q, s: (("queue", q), ("stage", s))  # noqa: E731
+    assert depth == {
+        key("supportmatrix.jobs.cpu.v1.c1", "accelerator"): 2,
+        key("supportmatrix.jobs.cpu.v1.c2", "accelerator"): 0,  # served once, empty: listed at 0
+        key("supportmatrix.verdict.h1", "verdict"): 1,  # the judging job nobody holds; the held one is not waiting
+    }
+    assert age == {
+        key("supportmatrix.jobs.cpu.v1.c1", "accelerator"): pytest.approx(100),
+        key("supportmatrix.jobs.cpu.v1.c2", "accelerator"): 0,
+        key("supportmatrix.verdict.h1", "verdict"): pytest.approx(30),
+    }
+    assert values(samples, "supportmatrix_jobs") == {
+        (("state", "queued"),): 2, (("state", "running"),): 1, (("state", "judging"),): 2,
+        (("state", "done"),): 2, (("state", "failed"),): 2, (("state", "cancelled"),): 0,
+    }  # fmt: skip
+
+
+def test_stage_and_compile_durations_are_cumulative_histograms_up_to_two_hours(seeded: Any) -> None:
+    samples = scrape(seeded)
+    accelerator = values(samples, "supportmatrix_job_duration_seconds_bucket", compiler_version="v1",
+                         stage="accelerator")  # fmt: skip
+    le = {dict(k)["le"]: v for k, v in accelerator.items()}
+    # 70 s, 250 s (done), 170 s twice (judging): the running job and the never-run job have no duration
+    assert [le[b] for b in ("60.0", "120.0", "300.0", "7200.0", "+Inf")] == [0, 1, 4, 4, 4]
+    assert list(le)[-2:] == ["7200.0", "+Inf"]
+    assert samples[
+        ("supportmatrix_job_duration_seconds_sum", (("compiler_version", "v1"), ("stage", "accelerator")))
+    ] == (pytest.approx(660, abs=0.01))
+    verdict = {dict(k)["le"]: v for k, v in values(samples, "supportmatrix_job_duration_seconds_bucket",
+                                                    compiler_version="v1", stage="verdict").items()}  # fmt: skip
+    assert [verdict[b] for b in ("5.0", "10.0", "30.0", "60.0", "+Inf")] == [0, 1, 1, 2, 2]  # 45 s and 8 s
+    v2 = values(samples, "supportmatrix_job_duration_seconds_count", compiler_version="v2")
+    assert v2 == {(("stage", "accelerator"),): 1}  # 12 s; it never reached the verdict stage
+    compile_le = {dict(k)["le"]: v for k, v in values(samples, "supportmatrix_compile_duration_seconds_bucket",
+                                                       compiler_version="v1").items()}  # fmt: skip
+    assert [compile_le[b] for b in ("1.0", "5.0", "10.0", "30.0", "+Inf")] == [0, 1, 1, 2, 2]
+    assert values(samples, "supportmatrix_compile_duration_seconds_count") == {(("compiler_version", "v1"),): 2}
+
+
+def test_results_count_by_compiler_verdict_error_class_and_cache_outcome(seeded: Any) -> None:
+    samples = scrape(seeded)
+    verdicts = {tuple(v for _, v in k): n for k, n in values(samples, "supportmatrix_verdicts_total").items()}
+    assert {k: n for k, n in verdicts.items() if n} == {("v1", "", "PASS"): 1, ("v1", "", "FAIL"): 1,
+                                                         ("v2", "compile", "ERROR"): 1}  # fmt: skip
+    # every served or seen compiler version has each verdict's series from the start (v3's worker is stale)
+    assert {(c, v) for c, _, v in verdicts} == {
+        (c, v) for c in ("v1", "v2") for v in ("PASS", "FAIL", "ERROR", "SKIPPED")
+    }
+    cache = {tuple(v for _, v in k): n for k, n in values(samples, "supportmatrix_compile_cache_total").items()}
+    assert cache == {("v1", "hit"): 1, ("v1", "miss"): 1, ("v1", "none"): 0, ("v2", "hit"): 0, ("v2", "miss"): 0,
+                     ("v2", "none"): 1}  # fmt: skip
+    assert samples[("supportmatrix_results", (("error_class", ""), ("verdict", "FAIL")))] == 1
+    assert samples[("supportmatrix_last_result_timestamp_seconds", ())] == ago(388).timestamp()
+    slowest = values(samples, "supportmatrix_slowest_models_wall_seconds")
+    assert slowest == {
+        (("compiler_version", "v1"), ("cores", "1"), ("model_id", "org/m7")): 200,
+        (("compiler_version", "v1"), ("cores", "1"), ("model_id", "org/m6")): 50,
+    }
+
+
+def test_hosts_show_busy_idle_cores_fragmentation_and_worker_liveness(seeded: Any) -> None:
+    samples = scrape(seeded)
+    assert values(samples, "supportmatrix_host_cores") == {
+        (("host", "h1"), ("state", "busy")): 1,  # cores-0 holds the running job (lease owner cores-0@h1:…)
+        (("host", "h1"), ("state", "idle")): 3,
+    }
+    # idle cores 1, 2, 3: the largest aligned group is 2-3 (1-2 is not aligned)
+    assert values(samples, "supportmatrix_host_largest_free_group_cores") == {(("host", "h1"),): 2}
+    assert values(samples, "supportmatrix_workers") == {
+        (("host", "h1"), ("state", "live")): 3, (("host", "h1"), ("state", "stale")): 0,
+        (("host", "h2"), ("state", "live")): 0, (("host", "h2"), ("state", "stale")): 1,
+    }  # fmt: skip
+    assert values(samples, "supportmatrix_host_heartbeat_age_seconds") == {
+        (("host", "h1"),): pytest.approx(2),
+        (("host", "h2"),): pytest.approx(1000),
+    }
+    assert values(samples, "supportmatrix_live_workers") == {(("compiler_version", "v1"),): 3}
+
+
+def test_redeliveries_resent_jobs_and_sweep_progress(seeded: Any) -> None:
+    samples = scrape(seeded)
+    assert values(samples, "supportmatrix_redeliveries_total") == {
+        (("stage", "accelerator"),): 1,  # job 7 was taken twice
+        (("stage", "verdict"),): 2,  # and its verdict stage three times
+    }
+    assert values(samples, "supportmatrix_resent_jobs") == {
+        (("stage", "accelerator"),): 1,  # job 1: queued, its message re-sent
+        (("stage", "verdict"),): 0,  # job 3's verdict message is the one sent when its cores were released
+    }
+    assert samples[("supportmatrix_reconciler_resends_total", ())] == 2
+    assert values(samples, "supportmatrix_sweeps", state="running") == {(): 1}
+    progress = {dict(k)["job_state"]: n for k, n in values(samples, "supportmatrix_sweep_entries").items()}
+    assert progress == {"done": 1, "queued": 1, "none": 1}
+    assert samples[("supportmatrix_job_timeout_seconds", ())] == 3600
+
+
+def test_largest_free_group_is_aligned() -> None:
+    from services.api.metrics import largest_free_group
+
+    assert largest_free_group(set()) == 0
+    assert largest_free_group({1, 2}) == 1  # 1-2 is not an aligned pair
+    assert largest_free_group({4, 5, 6, 7, 9}) == 4
+    assert largest_free_group(set(range(64)) - {31}) == 32
+
+
+def test_http_metrics_are_labelled_by_route_template_method_and_status() -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.api.metrics import instrument
+
+    app = FastAPI()
+
+    @app.get("/things/{thing_id}")
+    def thing(thing_id: int) -> dict[str, int]:
+        return {"id": thing_id}
+
+    registry = CollectorRegistry()
+    instrument(app, registry)
+    with TestClient(app) as client:
+        for i in range(3):
+            assert client.get(f"/things/{i}").status_code == 200
+        assert client.get("/things/x").status_code == 422
+        assert client.get("/nowhere").status_code == 404
+    text = generate_latest(registry).decode()
+    assert 'supportmatrix_http_requests_total{method="GET",route="/things/{thing_id}",status="200"} 3.0' in text
+    assert 'supportmatrix_http_requests_total{method="GET",route="/things/{thing_id}",status="422"} 1.0' in text
+    assert 'supportmatrix_http_requests_total{method="GET",route="<unmatched>",status="404"} 1.0' in text
+    assert (
+        'supportmatrix_http_request_duration_seconds_count{method="GET",route="/things/{thing_id}",status="200"} 3.0'
+        in text
+    )
+    assert "/things/0" not in text  # never the raw path
+
+
+# --- promtool and the dashboard file --------------------------------------------------------------------
+
+
+def local_config(tmp_path: Path, target: str, interval: str = "30s") -> Path:
+    """The repo's prometheus.yml with the rule file at its repo path and the API at ``target``."""
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    config["global"] |= {"scrape_interval": interval, "evaluation_interval": interval, "scrape_timeout": interval}
+    assert config["rule_files"] == ["/etc/prometheus/alerts.yml"]
+    config["rule_files"] = [str(ALERTS)]
+    [scrape_config] = config["scrape_configs"]
+    scrape_config["static_configs"] = [{"targets": [target]}]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_promtool_checks_the_config_and_rules_and_unit_tests_every_alert(tmp_path: Path) -> None:
+    promtool = binary("promtool")
+    for argv in (
+        ["check", "config", str(local_config(tmp_path, "api:8000"))],
+        ["check", "rules", str(ALERTS)],
+        ["test", "rules", str(ALERT_TESTS)],
+    ):
+        done = subprocess.run([promtool, *argv], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, f"promtool {' '.join(argv)}:\n{done.stdout}{done.stderr}"
+    tests = yaml.safe_load(ALERT_TESTS.read_text())["tests"]
+    alerts = {rule["alert"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]}
+    firing = {t["alertname"] for test in tests for t in test["alert_rule_test"] if t["exp_alerts"]}
+    quiet = {t["alertname"] for test in tests for t in test["alert_rule_test"] if not t["exp_alerts"]}
+    assert firing == alerts and quiet == alerts, "each alert needs a firing and a quiet case"
+
+
+def test_the_dashboard_is_its_generators_output_on_the_provisioned_datasource() -> None:
+    try:
+        import grafana_foundation_sdk  # noqa: F401
+    except ImportError:
+        pytest.fail("grafana-foundation-sdk is not installed: pip install 'grafana-foundation-sdk==1769699379!11.6.0'")
+    done = subprocess.run([sys.executable, str(ROOT / "deploy/grafana/build_dashboard.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    [source] = yaml.safe_load(DATASOURCES.read_text())["datasources"]
+    dashboard = json.loads(DASHBOARD.read_text())
+    refs = [p["datasource"] for p in dashboard["panels"] if p["type"] != "row"]
+    refs += [t["datasource"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert refs and all(r == {"type": "prometheus", "uid": source["uid"]} for r in refs)
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/supportmatrix.yml").read_text())
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert (
+        f"./deploy/grafana/dashboards:{provider['providers'][0]['options']['path']}:ro"
+        in (compose["services"]["grafana"]["volumes"])
+    )
+
+
+# --- a real Prometheus ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def running_prometheus(api_port: int, workdir: Path) -> Iterator[str]:
+    """Debian's Prometheus scraping the API every second with the repo's config and alert rules."""
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = local_config(workdir, f"127.0.0.1:{api_port}", interval="1s")
+    log = (workdir / "prometheus.log").open("wb")
+    proc = subprocess.Popen(
+        [binary("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+_TOP_LEVEL_SET_OP = re.compile(r"\s+(and|or|unless)\s+")
+_MATCHING = re.compile(r"^\s*(?:(?:on|ignoring|group_left|group_right)\s*\([^)]*\)\s*)+")
+_COMPARISON = re.compile(r"(==|!=|>=|<=|>|<)(?!~)")
+
+
+def _top_level(expr: str) -> list[int]:
+    """Offsets of the characters of ``expr`` outside (), [], {} and quotes."""
+    depth, quote, out = 0, "", []
+    for i, ch in enumerate(expr):
+        if quote:
+            quote = "" if ch == quote and expr[i - 1] != "\\" else quote
+        elif ch in "\"'`":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif depth == 0:
+            out.append(i)
+    return out
+
+
+def signals(expr: str) -> list[str]:
+    """What an alert compares, as queries that return a series whatever the comparison's outcome: the operands
+    of a top-level ``and``/``or``/``unless`` one by one, each top-level comparison turned into ``> bool``
+    (1 or 0 per series instead of a filter). A rule whose signal returns nothing can never fire."""
+    outside = set(_top_level(expr))
+    cuts = [m for m in _TOP_LEVEL_SET_OP.finditer(expr) if m.start() in outside]
+    parts, start = [], 0
+    for m in cuts:
+        parts.append(expr[start : m.start()])
+        start = m.end()
+    parts.append(expr[start:])
+    out = []
+    for part in parts:
+        part = _MATCHING.sub("", part)
+        outside = set(_top_level(part))
+        comparisons = [m for m in _COMPARISON.finditer(part) if m.start() in outside]
+        for m in reversed(comparisons):
+            part = part[: m.end()] + " bool" + part[m.end() :]
+        out.append(part.strip())
+    return out
+
+
+def test_signals_turn_each_condition_into_a_series_that_always_answers() -> None:
+    assert signals('up{job="a"} == 0') == ['up{job="a"} == bool 0']
+    assert signals('time() - x > 3 * 3600\nand on() sum(y{stage="a"}) > 0') == [
+        "time() - x > bool 3 * 3600",
+        'sum(y{stage="a"}) > bool 0',
+    ]
+    assert signals("histogram_quantile(0.95, rate(b[1h])) > on() group_left() (0.8 * t)") == [
+        "histogram_quantile(0.95, rate(b[1h])) > bool on() group_left() (0.8 * t)"
+    ]
+    assert signals('x{a=~"p|q", b!="r"} >= 20') == ['x{a=~"p|q", b!="r"} >= bool 20']
+
+
+def dashboard_expressions() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def alert_expressions() -> list[str]:
+    return [rule["expr"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+
+
+def assert_every_expression_returns_data(prometheus: str, timeout: float = 45) -> None:
+    """Every panel's PromQL, and every signal of every alert rule, returns at least one series from the
+    Prometheus that scraped the stack; the alert expressions themselves evaluate without error."""
+    checks = {expr: expr for expr in dashboard_expressions()}
+    for expr in alert_expressions():
+        checks |= {signal: expr for signal in signals(expr)}
+        checks.setdefault(expr, "")  # must evaluate; may be empty (no alert firing)
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=prometheus, timeout=10) as client:
+        while True:
+            empty, errors = [], []
+            for query, source in checks.items():
+                answer = client.get("/api/v1/query", params={"query": query}).json()
+                if answer["status"] != "success":
+                    errors.append(f"{query}: {answer.get('error')}")
+                elif source and not answer["data"]["result"]:
+                    empty.append(query if query == source else f"{query}   (of {source!r})")
+            assert errors == [], "\n".join(errors)
+            if not empty:
+                return
+            if time.monotonic() > deadline:
+                targets = client.get("/api/v1/targets").json()["data"]["activeTargets"]
+                health = [(t["scrapeUrl"], t["health"], t.get("lastError")) for t in targets]
+                raise AssertionError("no data for:\n" + "\n".join(empty) + f"\ntargets: {health}")
+            time.sleep(1)
