@@ -16,6 +16,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,34 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     redis.Redis.from_url(os.environ["SUPPORTMATRIX_REDIS_URL"]).flushdb()
     _started.stop()
     shutil.rmtree(RUN_DIR, ignore_errors=True)
+
+
+@contextmanager
+def fresh_database(kind: str, tmp_path: Path) -> Iterator[Any]:
+    """A migrated database of the caller's own — a SQLite file, or a PostgreSQL schema dropped after — so that
+    what it reads sees only the rows planted there. Yields its engine."""
+    import psycopg
+
+    from shared.db.engine import make_engine
+    from shared.db.migrate import upgrade
+
+    admin = PG_BASE.replace("postgresql+psycopg", "postgresql")
+    schema = f"fresh_{uuid.uuid4().hex[:12]}"
+    if kind == "sqlite":
+        url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    else:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+        url = pg_url(schema)
+    upgrade(url)
+    engine = make_engine(url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        if kind == "postgresql":
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 @pytest.fixture

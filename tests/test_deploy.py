@@ -307,3 +307,20 @@ def test_the_compose_stack_runs_a_job_as_local_processes(
     finally:
         scraping.close()
         stack.down()
+
+
+# --- the first-hour check ---------------------------------------------------------------------------------
+
+
+def test_the_trn2_check_passes_on_the_tiny_checkpoints_with_the_cpu_backend(tiny_models: Path) -> None:
+    """The first-hour check's own code path, with the cpu backend and no Docker: one model on one core, a dense
+    one tensor-parallel over 2, a MoE over 4 with expert parallelism — the suite's only 4-rank EP run."""
+    done = subprocess.run(
+        ["bash", "scripts/trn2-check.sh", "--backend", "cpu", "--no-docker", "--models", str(tiny_models),
+         "--compile-backend", "aot_eager", "--parallel"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "torch: 2.13.0" in done.stdout
+    rows = [line.split() for line in done.stdout.splitlines() if " PASS " in f" {line} "]
+    assert [(row[-6], row[-5]) for row in rows] == [("1", "none"), ("2", "tp"), ("4", "ep")], done.stdout

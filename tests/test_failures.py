@@ -4,7 +4,6 @@ ERROR and FAIL row gets a signature, and GET /failures reads forty failures of o
 from __future__ import annotations
 
 import datetime as dt
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,12 @@ from sqlalchemy.orm import Session
 from services.runner.failures import RunFailure, phase
 from services.runner.stages import failed
 from shared.contracts import RunReport
-from shared.db.engine import make_engine
 from shared.db.models import Job, Result
 from shared.enums import ErrorClass, Stage, Verdict
 from shared.hub.client import ResolvedModel
 from shared.jobs import rules as jobs
 from shared.settings import Settings
-from tests.conftest import PG_BASE, pg_url
+from tests.conftest import fresh_database
 from tests.history import runtime
 
 # --- what the compiler refuses -------------------------------------------------------------------------
@@ -140,27 +138,9 @@ torch._dynamo.exc.FailOnRecompileLimitHit: Hard failure due to fullgraph=True
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sa.Engine]:
-    """A migrated database of this test's own (a SQLite file, or a PostgreSQL schema), so that the grouped
-    view sees only the rows planted here."""
-    import psycopg
-
-    from shared.db.migrate import upgrade
-
-    admin = PG_BASE.replace("postgresql+psycopg", "postgresql")
-    schema = f"failures_{uuid.uuid4().hex[:12]}"
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'failures.db'}"
-    else:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"CREATE SCHEMA {schema}")
-        url = pg_url(schema)
-    upgrade(url)
-    engine = make_engine(url)
-    yield engine
-    engine.dispose()
-    if request.param == "postgresql":
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    """A migrated database of this test's own, so that the grouped view sees only the rows planted here."""
+    with fresh_database(request.param, tmp_path) as engine:
+        yield engine
 
 
 def plant(session: Session, model: str, compiler: str, outcome: Any) -> None:

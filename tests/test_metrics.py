@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 import yaml
 
 from shared.processes import free_port
-from tests.conftest import PG_BASE, ROOT, pg_url
+from tests.conftest import ROOT, fresh_database
 
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 PROMETHEUS_CONFIG = PROMETHEUS_DIR / "prometheus.yml"
@@ -50,32 +49,13 @@ def binary(name: str) -> str:
 @pytest.fixture(params=["sqlite", "postgresql"])
 def seeded(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
     """A fresh migrated database of either kind with jobs, results, workers and a sweep at known times."""
-    import psycopg
     from sqlalchemy.orm import Session
 
-    from shared.db.engine import make_engine
-    from shared.db.migrate import upgrade
-
-    admin = PG_BASE.replace("postgresql+psycopg", "postgresql")
-    schema = f"metrics_{uuid.uuid4().hex[:10]}"
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'metrics.db'}"
-    else:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"CREATE SCHEMA {schema}")
-        url = pg_url(schema)
-    upgrade(url)
-    engine = make_engine(url)
-    with Session(engine) as session:
-        seed(session)
-        session.commit()
-    try:
+    with fresh_database(request.param, tmp_path) as engine:
+        with Session(engine) as session:
+            seed(session)
+            session.commit()
         yield lambda: Session(engine)
-    finally:
-        engine.dispose()
-        if request.param == "postgresql":
-            with psycopg.connect(admin, autocommit=True) as conn:
-                conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 def ago(seconds: float) -> dt.datetime:
