@@ -14,4 +14,8 @@ fi
 if ! command -v prometheus >/dev/null && [ "$(id -u)" = 0 ]; then
     apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
+# tests/test_pages.py drives Debian's chromium headless through Playwright (which cannot download its own browsers).
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null
+fi
 .venv/bin/python -c "import torch, transformers, celery, fastapi; print('torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -105,6 +105,11 @@ class Settings(BaseSettings):
 
     api_max_body_bytes: int = Field(65536, gt=0)
     page_limit_max: int = Field(1000, gt=0)
+    # What the results page prices a run's core-seconds at. Default: a trn2.48xlarge on demand (US East (Ohio),
+    # Linux) at $44.701 an hour, divided by its 64 NeuronCores (LNC=2). Source: AWS's EC2 On-Demand pricing
+    # (https://aws.amazon.com/ec2/pricing/on-demand/) as listed by instances.vantage.sh — NOT re-verified on
+    # 2026-11-30: neither page was reachable from here. Check it, or set SUPPORTMATRIX_PRICE_PER_CORE_HOUR_USD.
+    price_per_core_hour_usd: float = Field(44.701 / 64, gt=0, description="USD per core-hour of a run's cost")
 
     # The API's write routes. Each token may make api_rate_limit requests in any api_rate_window_s seconds,
     # counted in Redis so that the limit holds across API processes.

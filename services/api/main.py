@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.api.errors import unavailable
 from services.api.metrics import StateCollector, instrument
-from services.api.routes import failures, health, jobs, results, sweeps, workers
+from services.api.routes import failures, health, jobs, pages, results, sweeps, workers
 from shared.hub.client import bound_hub_requests
 from shared.settings import get_settings
 
@@ -98,6 +98,7 @@ def create_app() -> FastAPI:
     app.include_router(workers.router)
     app.include_router(sweeps.router)
     app.include_router(health.router)
+    app.include_router(pages.router)
 
     # The database's own words (host, user, SQL) stay in the log: the client learns only that it is down.
     @app.exception_handler(OperationalError)
