@@ -16,6 +16,10 @@ from services.runner.specs import DescribeSpec
 from shared.contracts import RuntimeInfo
 from shared.settings import get_settings, inherited_environment
 
+# Importing the backend's packages, not running a model: the job's own limit (seconds, in some tests) does not
+# apply, and a loaded host may take a while to import torch.
+DESCRIBE_TIMEOUT_S = 300.0
+
 
 def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
@@ -24,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="describe-") as tmp:
         spec = DescribeSpec(backend=args.backend)
-        info = run_child(spec, RuntimeInfo, inherited_environment({}), settings.job_timeout_s, Path(tmp))
+        info = run_child(spec, RuntimeInfo, inherited_environment({}), DESCRIBE_TIMEOUT_S, Path(tmp))
     print(info.model_dump_json())
     return 0
 

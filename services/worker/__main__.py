@@ -40,9 +40,11 @@ def describe_runtime(settings: Settings) -> RuntimeInfo:
         env=child_environment(settings, {}),
         capture_output=True,
         text=True,
-        check=True,
+        check=False,
         timeout=600,
     )
+    if out.returncode != 0:
+        raise RuntimeError(f"describing the {settings.backend} runtime failed:\n{out.stderr[-3000:]}")
     info = RuntimeInfo.model_validate_json(out.stdout.strip().splitlines()[-1])
     cached.parent.mkdir(parents=True, exist_ok=True)
     write_model(cached, info)
