@@ -3,9 +3,10 @@
 Uses the Redis that answers at the configured URL or starts one, SQLite under .data/demo, starts the API
 (uvicorn), the host launcher (its workers of both stages), a collector and beat (the reconciler), builds
 tiny checkpoints and serves them through the local Hub
-stand-in, creates an admin token (`python -m services.api.tokens create`), submits the models with it
-through POST /jobs, shows progress, prints the results table and the Parquet path, then stops everything
-it started. Exit status 0 when every model ends PASS.
+stand-in, creates an admin token (`supportmatrix tokens create`), submits the models and follows them to
+their verdicts with `supportmatrix submit ... --wait` (the command a user runs), prints the results table
+(`supportmatrix results`) and the Parquet path, then stops everything it started. Exit status 0 when every
+model ends PASS.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from shared.processes import free_port  # noqa: E402
 from testing.services import Started, ensure_redis  # noqa: E402
 
-FINISHED = {"done", "failed", "cancelled"}
+CLI = Path(sys.executable).parent / "supportmatrix"  # the project's entry point, installed beside this python
 DEMO_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-qwen3-moe")
 
 
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         from shared.db.migrate import upgrade
 
         upgrade()
-        step("an admin token for the demo's POSTs: python -m services.api.tokens create demo --scope admin")
-        token = create_token("demo")
+        step("an admin token for the demo's submissions: supportmatrix tokens create demo --scope admin")
+        os.environ["SUPPORTMATRIX_API_TOKEN"] = create_token("demo")
 
         step("building tiny checkpoints")
         from testing.hub_standin import HubStandin
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--scheduler", "services.worker.beat:LockedScheduler", "--schedule", str(data_dir / "beat-schedule"),
             ),
         ]  # fmt: skip
-        api = f"http://127.0.0.1:{api_port}"
+        api = os.environ["SUPPORTMATRIX_API_URL"] = f"http://127.0.0.1:{api_port}"
         wait_until(lambda: get(api, "/healthz", ok=True), 60, "the API to answer /healthz")
         step(f"API at {api}")
         wait_until(lambda: get(api, "/workers"), 300, "the workers to register")
@@ -109,17 +110,16 @@ def main(argv: list[str] | None = None) -> int:
         names = ", ".join(f"{w['name']} (cores {w['cores']})" for w in workers)
         step(f"workers {names} serve {worker['compiler_version']}, transformers {worker['library_version']}")
 
-        ids = {}
-        for model in DEMO_MODELS:
-            response = post(api, "/jobs", {"model_id": f"demo/{model}"}, token)
-            ids[f"demo/{model}"] = response["jobs"][0]["id"]
-        step(f"submitted {len(ids)} jobs; waiting (logs in {logs})")
-        states = follow(api, ids, args.timeout, time.monotonic())
+        # The user's way in: SUPPORTMATRIX_API_URL and SUPPORTMATRIX_API_TOKEN are set above, in the environment.
+        models = [f"demo/{model}" for model in DEMO_MODELS]
+        step(f"supportmatrix submit {' '.join(models)} --wait   (logs in {logs})")
+        submitted = cli("submit", *models, "--wait", "--timeout", str(args.timeout))
 
         rows = get(api, "/results", params={"compiler": worker["compiler_version"]})["items"]
         export = settings.export_path / "data"
         wait_until(lambda: len(parquet_rows(export)) >= len(rows), 60, "the collector's Parquet export")
-        print_table(rows)
+        step(f"supportmatrix results --compiler {worker['compiler_version']}")
+        cli("results", "--compiler", worker["compiler_version"])
         step(f"Parquet: {export}")
         import pandas as pd
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print('    df[df.model_id == "demo/tiny-llama"][["neuronx_cc", "library", "library_version", '
               '"neuron_cores", "result"]]')  # fmt: skip
         print("    " + seed.to_string(index=False).replace("\n", "\n    "))
-        passed = all(states[m] == "done" for m in ids) and all(r["result"] == "PASS" for r in rows)
+        passed = submitted == 0 and len(rows) == len(models) and all(r["result"] == "PASS" for r in rows)
         step("every model PASS" if passed else "not every model passed: see the table and the logs")
         return 0 if passed else 1
     finally:
@@ -163,17 +163,13 @@ def get(api: str, path: str, params: dict[str, Any] | None = None, ok: bool = Fa
 
 def create_token(name: str) -> str:
     """A token made as an operator makes one: the command prints it on stdout, once."""
-    command = [sys.executable, "-m", "services.api.tokens", "create", name, "--scope", "admin"]
+    command = [str(CLI), "tokens", "create", name, "--scope", "admin"]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
 
-def post(api: str, path: str, body: dict[str, Any], token: str) -> Any:
-    import httpx
-
-    response = httpx.post(api + path, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=60)
-    if response.status_code >= 400:
-        raise SystemExit(f"POST {path} {body} → {response.status_code}: {response.text}")
-    return response.json()
+def cli(*args: str) -> int:
+    """Run `supportmatrix ARGS` as a user would, its output on this terminal; its exit status."""
+    return subprocess.run([str(CLI), *args], cwd=ROOT).returncode
 
 
 def wait_until(check: Any, seconds: float, what: str) -> None:
@@ -185,22 +181,6 @@ def wait_until(check: Any, seconds: float, what: str) -> None:
     raise SystemExit(f"gave up waiting for {what} after {seconds:.0f} s")
 
 
-def follow(api: str, ids: dict[str, int], timeout: float, start: float) -> dict[str, str]:
-    """Print each job's state changes until all have finished."""
-    states: dict[str, str] = {}
-    while time.monotonic() - start < timeout:
-        for model, job_id in ids.items():
-            job = get(api, f"/jobs/{job_id}")
-            if job and job["state"] != states.get(model):
-                states[model] = job["state"]
-                extra = f" ({job['error_class']}: {job['error_message'][:200]})" if job["error_class"] else ""
-                print(f"    [{time.monotonic() - start:6.1f} s] {model}: {job['state']}{extra}", flush=True)
-        if all(states.get(m) in FINISHED for m in ids):
-            return states
-        time.sleep(1)
-    raise SystemExit(f"jobs still unfinished after {timeout:.0f} s: {states}")
-
-
 def parquet_rows(export: Path) -> Any:
     import pandas as pd
 
@@ -208,16 +188,6 @@ def parquet_rows(export: Path) -> Any:
         return pd.DataFrame()
     df = pd.read_parquet(export)
     return df[["model_id", "neuronx_cc", "library", "library_version", "neuron_cores", "result"]]
-
-
-def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"    {'model':<22} {'result':<7} {'cores':>5} {'wall s':>7} {'compile s':>9} {'peak MiB':>8}  compiler")
-    for r in sorted(rows, key=lambda r: r["model_id"]):
-        peak = (r["peak_memory_bytes"] or 0) / 2**20
-        print(
-            f"    {r['model_id']:<22} {r['result']:<7} {r['neuron_cores']:>5} {r['wall_s'] or 0:>7.1f} "
-            f"{r['compile_s'] or 0:>9.1f} {peak:>8.0f}  {r['neuronx_cc']}"
-        )
 
 
 if __name__ == "__main__":
