@@ -24,10 +24,11 @@ def run(tiny_models: Path, model: str, *args: str, **env: str) -> tuple[int, dic
     ("model", "cores", "parallelism", "env"),
     # One case per parallelism and architecture family, over 2 ranks; 4 ranks run in tests/test_deploy.py (the
     # first-hour check: experts-only EP of Qwen3-MoE) and below (a rank killed, heads that do not divide).
-    # Half of them in bf16, trn2's dtype: TP's reduction order then drifts at bf16's scale, not fp32's.
+    # Some in bf16, trn2's dtype: the reduction order then drifts at bf16's scale, not fp32's.
     [
+        # Qwen3 over 2 ranks runs in the first-hour check (tests/test_deploy.py), Llama over 2 in bf16 in
+        # tests/test_judges.py.
         ("tiny-llama", 2, "tp", {}),
-        ("tiny-qwen3", 2, "tp", {"SUPPORTMATRIX_CPU_DTYPE": "bfloat16"}),
         ("tiny-mixtral", 2, "ep", {"SUPPORTMATRIX_CPU_DTYPE": "bfloat16"}),
         ("tiny-qwen3-moe", 2, "ep_tp", {"SUPPORTMATRIX_MOE_PARALLELISM": "ep_tp"}),
     ],
@@ -60,23 +61,14 @@ def test_heads_that_do_not_divide_are_sized_to_a_size_that_works_or_refused(tiny
     assert "6 attention heads / 2 KV heads do not divide over 4 ranks" in report["error_message"]
 
 
-@pytest.mark.parametrize(
-    ("fault", "model", "cores"),
-    # drop_layer (one core, through the service) fails in tests/test_stages.py
-    [("perturb_shard", "tiny-llama", 2), ("skip_allreduce", "tiny-qwen3", 2)],
-)
-def test_every_planted_fault_fails(tiny_models: Path, fault: str, model: str, cores: int) -> None:
-    code, report = run(tiny_models, model, "--cores", str(cores), SUPPORTMATRIX_CPU_FAULT=fault)
+def test_a_skipped_all_reduce_fails(tiny_models: Path) -> None:
+    """The fault only sharding can make: one row-parallel projection returns its rank's partial sum. The graded
+    faults (a shard scaled, a head zeroed, a wrong rotary base, an off-by-one cache position, a dropped layer)
+    and benign noise (thread counts, TP 1/2/4) are measured in bench/calibrate_verdict.py; drop_layer fails
+    through the service in tests/test_stages.py."""
+    code, report = run(tiny_models, "tiny-qwen3", "--cores", "2", SUPPORTMATRIX_CPU_FAULT="skip_allreduce")
     assert code == 1 and report["verdict"] == "FAIL", report["error_message"]
     assert "prefill logits differ" in report["verdict_reason"]
-
-
-# One thread, where the default on this 2-CPU machine is two: another reduction order in every matmul.
-@pytest.mark.parametrize("threads", [1])
-def test_benign_noise_never_fails(tiny_models: Path, threads: int) -> None:
-    # Another thread count changes the reduction order of every matmul; Qwen3 has the narrowest margins.
-    code, report = run(tiny_models, "tiny-qwen3", SUPPORTMATRIX_CPU_THREADS=str(threads))
-    assert report["verdict"] == "PASS" and code == 0, report["verdict_reason"]
 
 
 def test_a_rank_that_dies_takes_its_group_down_and_is_named(tiny_models: Path) -> None:
