@@ -1,9 +1,18 @@
-"""Planted faults, for tests that prove the verdict catches real breakage (cpu backend only).
+"""Planted faults, for tests and benches that prove the verdict catches real breakage (cpu backend only).
 
-Each is a small, deterministic change to the accelerator's model after it is loaded:
+Each is a small, deterministic change to the accelerator's model after it is loaded, graded from gross to
+subtle (``bench/calibrate_verdict.py`` measures which ones the verdict catches):
 - ``perturb_shard``: noise on one rank's shard of one attention weight (the last rank's);
+- ``scale_shard_10pct``, ``scale_shard_1pct``: the last rank's shard of the first layer's attention output
+  projection (row-parallel: its slice of the input dimension, the heads that rank holds) scaled by 1.10 or
+  1.01; on one core, the slice a 2-way split would give the last rank. ``scale_shard@0.005`` takes any scale;
 - ``skip_allreduce``: one row-parallel projection returns its rank's partial sum, never all-reduced;
-- ``drop_layer``: the last decoder layer passes its input through.
+- ``drop_layer``: the last decoder layer passes its input through;
+- ``zero_head``: the first layer's last attention head contributes nothing (its input columns of the output
+  projection are zero; on a sharded run, on the rank that holds that head);
+- ``rotary_base``: the rotary embedding's base (``rope_theta``) doubled — its ``inv_freq`` recomputed;
+- ``cache_position``: every decode step runs at the position one past the cache's length (an off-by-one
+  position id: RoPE, or a learned position embedding, of the wrong position); the prefill is untouched.
 
 Two act on generation instead, after the logits processors (what greedy picks from):
 - ``swap_token``: at decode step 4 greedy takes the token ranked 10th — a divergence that is no near tie;
@@ -13,14 +22,20 @@ Two act on generation instead, after the logits processors (what greedy picks fr
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-MODEL_FAULTS = ("perturb_shard", "skip_allreduce", "drop_layer")
+SCALED = {"scale_shard_1pct": 0.01, "scale_shard_10pct": 0.10}
+SCALE_PREFIX = "scale_shard@"  # scale_shard@<s>: the shard scaled by 1 + s (benches)
+MODEL_FAULTS = (
+    "perturb_shard", "skip_allreduce", "drop_layer", *SCALED, "zero_head", "rotary_base", "cache_position",
+)  # fmt: skip
 GENERATION_FAULTS = ("swap_token", "swap_near_tie")
 FAULTS = MODEL_FAULTS + GENERATION_FAULTS
 SWAP_STEP = 4
 SWAP_RANK = 10
 NEAR_TIE_NATS = 0.05
+ROTARY_BASE_FACTOR = 2.0
 
 
 def decoder_layers(model: Any) -> Any:
@@ -67,7 +82,10 @@ def inject(model: Any, fault: str, rank: int, world_size: int) -> None:
         return
 
     layers = decoder_layers(model)
-    if fault == "perturb_shard":
+    if fault in SCALED or fault.startswith(SCALE_PREFIX):
+        scale = SCALED[fault] if fault in SCALED else float(fault.removeprefix(SCALE_PREFIX))
+        scale_shard(model, scale, rank, world_size)
+    elif fault == "perturb_shard":
         weight = layers[0].self_attn.q_proj.weight
         local = weight.to_local() if hasattr(weight, "to_local") else weight
         if rank == world_size - 1:
@@ -92,5 +110,94 @@ def inject(model: Any, fault: str, rank: int, world_size: int) -> None:
         projection.forward = partial_forward
     elif fault == "drop_layer":
         layers[-1].forward = lambda hidden_states, *args, **kwargs: hidden_states
+    elif fault == "zero_head":
+        zero_head(model, rank, world_size)
+    elif fault == "rotary_base":
+        rotary_base(model, ROTARY_BASE_FACTOR)
+    elif fault == "cache_position":
+        shift_decode_positions(model, 1)
     else:
         raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
+
+
+def _output_projection(model: Any) -> tuple[Any, int, bool]:
+    """The first layer's attention output projection: its local weight, the axis of its inputs (the heads),
+    and whether it is sharded. ``o_proj`` is a Linear (out x in), GPT-2's ``c_proj`` a Conv1D (in x out). Under
+    tensor parallelism it is row-parallel: each rank holds its heads' slice of the input axis."""
+    layer = decoder_layers(model)[0]
+    attention = getattr(layer, "self_attn", None) or layer.attn
+    if hasattr(attention, "o_proj"):
+        weight, axis = attention.o_proj.weight, 1
+    elif hasattr(attention, "c_proj"):
+        weight, axis = attention.c_proj.weight, 0
+    else:
+        raise ValueError(f"cannot find the attention output projection of {type(model).__name__}")
+    sharded = hasattr(weight, "to_local")
+    return (weight.to_local() if sharded else weight), axis, sharded
+
+
+def scale_shard(model: Any, scale: float, rank: int, world_size: int) -> None:
+    """The last rank's shard of the first layer's attention output projection, times (1 + scale)."""
+    import torch
+
+    if rank != world_size - 1:
+        return
+    local, axis, sharded = _output_projection(model)
+    size = local.shape[axis]
+    # A sharded weight's local tensor is the shard; one core's weight, the slice a 2-way split gives rank 1.
+    start = 0 if sharded else size - size // 2
+    with torch.no_grad():
+        local.narrow(axis, start, size - start).mul_(1.0 + scale)
+
+
+def zero_head(model: Any, rank: int, world_size: int) -> None:
+    """The last attention head of the first layer contributes nothing: its output projection's inputs are 0."""
+    import torch
+
+    if rank != world_size - 1:  # the last head lives on the last rank
+        return
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    local, axis, _ = _output_projection(model)
+    with torch.no_grad():
+        local.narrow(axis, local.shape[axis] - head_dim, head_dim).zero_()
+
+
+def rotary_base(model: Any, factor: float) -> None:
+    """The rotary embedding's base times ``factor``: inv_freq = base^(-2i/d) becomes (factor·base)^(-2i/d)."""
+    import torch
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    parameters = getattr(config, "rope_parameters", None) or {}
+    base = parameters.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    found = False
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor):
+            exponent = -torch.log(inv_freq.double()) / math.log(base)  # 2i/d
+            with torch.no_grad():
+                inv_freq.copy_((base * factor) ** (-exponent))
+            found = True
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no rotary embedding")
+
+
+def shift_decode_positions(model: Any, offset: int) -> None:
+    """Every decode step (one new token) runs at position cache length + ``offset``, as an off-by-one cache
+    position would place it. The branch is on a static shape, so a compiled forward keeps one graph per shape."""
+    import torch
+
+    forward = model.forward
+
+    def shifted(*args: Any, **kwargs: Any) -> Any:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        decode = input_ids is not None and input_ids.shape[1] == 1
+        if decode and cache is not None and kwargs.get("position_ids") is None:
+            seen = cache.get_seq_length()
+            kwargs["position_ids"] = (torch.arange(1, device=input_ids.device) + seen + offset).unsqueeze(0)
+        return forward(*args, **kwargs)
+
+    model.forward = shifted
