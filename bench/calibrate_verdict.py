@@ -416,7 +416,8 @@ def what_if(runs: list[Run]) -> list[dict[str, Any]]:
     base = Tolerances.for_dtype("bfloat16")
     done = [r for r in runs if r.rule != "error" and r.prefill_rel_error is not None]
     table = []
-    for prefill, gap, slack in CANDIDATES:
+    current = (base.prefill_rel_error, base.near_tie_gap, base.loglik_slack)
+    for prefill, gap, slack in (current, *(c for c in CANDIDATES if c != current)):
         tol = Tolerances(prefill_rel_error=prefill, near_tie_gap=gap, top_k=base.top_k, loglik_slack=slack)
 
         def fails(r: Run, tol: Tolerances = tol) -> bool:
@@ -430,7 +431,8 @@ def what_if(runs: list[Run]) -> list[dict[str, Any]]:
             return decide(evidence, tol).verdict == "FAIL"
 
         benign = [r for r in done if r.kind == "benign"]
-        row: dict[str, Any] = {"tolerances": f"{prefill:g} / {gap:g} / {slack:g}",
+        label = f"{prefill:g} / {gap:g} / {slack:g}" + (" (the code's)" if (prefill, gap, slack) == current else "")
+        row: dict[str, Any] = {"tolerances": label,
                                "dense": sum(fails(r) for r in benign if r.arch not in MOE_ARCHS),
                                "moe": sum(fails(r) for r in benign if r.arch in MOE_ARCHS)}  # fmt: skip
         for fault in ("scale_shard_10pct", "rotary_base", "cache_position", "scale_shard_1pct"):
@@ -465,6 +467,25 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         f"**Benign false FAIL: {summary['benign_fail']} / {summary['benign_n']}** "
         f"({100 * summary['benign_fail'] / max(summary['benign_n'], 1):.1f} %). Smallest shard scale caught on every "
         f"architecture: {_fmt(summary['smallest_scale_all'])}; on some: {_fmt(summary['smallest_scale_any'])}."
+    )
+    code = summary["what_if"][0]  # the tolerances in shared/results/verdict.py, every run re-decided
+    false_fails = code["dense"] + code["moe"]
+    lines.append("")
+    lines.append(
+        f"**Goals (issue 9), at the code's tolerances {code['tolerances'].split(' (')[0]}:** 0 false FAIL over >= 200 "
+        f"benign runs — {'met' if not false_fails and summary['benign_n'] >= 200 else 'missed'} ({false_fails} of "
+        f"{summary['benign_n']}: dense {code['dense']}, MoE {code['moe']}); every fault at >= 10 % scale detected — "
+        f"{code['scale_shard_10pct']} of the 10 % shard scales; smallest scale detected on every architecture: "
+        f"{_fmt(code['smallest'])}."
+        + (
+            " Why the misses stand (read from the runs listed below and the sweep): a MoE checkpoint whose router "
+            "has a near tie sends the prompt's last token to another expert in bf16 than in the reference — a "
+            "prefill error no threshold that still catches faults can absorb (it needs a routing-aware rule); "
+            "Gemma scales its embeddings by sqrt(hidden), which dilutes a layer-0 fault of 10 % below these tiny "
+            "models' bf16 noise floor."
+            if false_fails or not code["scale_shard_10pct"].startswith(code["scale_shard_10pct"].split(" / ")[-1])
+            else ""
+        )
     )
     lines.append("")
     lines.append(

@@ -48,32 +48,13 @@ def name(arch: str, seed: int) -> str:
 
 def build(out_dir: Path, arch: str, seed: int) -> Path:
     """The checkpoint of ``arch`` with weights drawn from ``seed`` (kept when it is already there)."""
-    import torch
-    import transformers
-    from transformers import GenerationConfig
-
-    target = out_dir / name(arch, seed)
-    if (target / "config.json").exists():
-        return target
     out_dir.mkdir(parents=True, exist_ok=True)
     config_factory, class_name = ARCHITECTURES[arch]
-    tokenizer = tiny_models.build_tokenizer()
     # An extra architecture built like a fixture's (Mistral without its window is Llama) must not share its weights.
-    torch.manual_seed(seed + (1000 * (1 + list(EXTRA).index(arch)) if arch in EXTRA else 0))
-    model = getattr(transformers, class_name)(config_factory())
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if param.dim() >= 2:
-                std = 0.2 if ("embed" in param_name or "wte" in param_name or "lm_head" in param_name) else 0.1
-                param.normal_(0.0, std)
-    model.generation_config = GenerationConfig(
-        do_sample=False, eos_token_id=None, bos_token_id=None, pad_token_id=tokenizer.pad_token_id
+    offset = 1000 * (1 + list(EXTRA).index(arch)) if arch in EXTRA else 0
+    return tiny_models.save_random_checkpoint(
+        out_dir / name(arch, seed), config_factory, class_name, tiny_models.build_tokenizer(), seed + offset
     )
-    tmp = out_dir / f".{target.name}.tmp"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
-    return target
 
 
 def main(argv: list[str] | None = None) -> int:

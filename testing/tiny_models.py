@@ -296,35 +296,38 @@ def build_kind_repos(out_dir: Path) -> list[Path]:
     return built
 
 
-def build(out_dir: Path, names: list[str] | None = None) -> list[Path]:
+def save_random_checkpoint(
+    target: Path, config_factory: Callable[[], Any], class_name: str, tokenizer: Any, seed: int = 0
+) -> Path:
+    """``class_name`` of ``config_factory()`` with weights drawn from ``seed`` and widened, saved with ``tokenizer``
+    and a generation config that never stops early (kept when it is already there)."""
     import torch
     import transformers
     from transformers import GenerationConfig
 
+    if (target / "config.json").exists():
+        return target
+    torch.manual_seed(seed)
+    model = getattr(transformers, class_name)(config_factory())
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param.dim() >= 2:
+                std = 0.2 if ("embed" in param_name or "wte" in param_name or "lm_head" in param_name) else 0.1
+                param.normal_(0.0, std)
+    model.generation_config = GenerationConfig(
+        do_sample=False, eos_token_id=None, bos_token_id=None, pad_token_id=tokenizer.pad_token_id
+    )
+    tmp = target.parent / f".{target.name}.tmp"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)
+    return target
+
+
+def build(out_dir: Path, names: list[str] | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    built = []
-    for name in names or list(MODELS):
-        config_factory, class_name = MODELS[name]
-        target = out_dir / name
-        if (target / "config.json").exists():
-            built.append(target)
-            continue
-        torch.manual_seed(0)
-        model = getattr(transformers, class_name)(config_factory())
-        with torch.no_grad():
-            for param_name, param in model.named_parameters():
-                if param.dim() >= 2:
-                    std = 0.2 if ("embed" in param_name or "wte" in param_name or "lm_head" in param_name) else 0.1
-                    param.normal_(0.0, std)
-        model.generation_config = GenerationConfig(
-            do_sample=False, eos_token_id=None, bos_token_id=None, pad_token_id=tokenizer.pad_token_id
-        )
-        tmp = out_dir / f".{name}.tmp"
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(target)
-        built.append(target)
+    built = [save_random_checkpoint(out_dir / name, *MODELS[name], tokenizer) for name in names or list(MODELS)]
     if names is None:
         built += build_code_models(out_dir)
         built += build_kind_repos(out_dir)

@@ -41,7 +41,7 @@ def test_sharded_runs_pass(tiny_models: Path, model: str, cores: int, parallelis
     assert report["compiler_version"].endswith("-bf16") == bf16
     if not bf16:  # bf16 may reorder near ties; the verdict then says so
         assert report["generated_token_ids"] == report["reference_token_ids"]
-    assert report["prefill_rel_error"] < (5e-2 if bf16 else 1e-3)
+    assert report["prefill_rel_error"] < (4e-2 if bf16 else 1e-3)
     assert report["judge_kind"] == "likelihood" and report["judge_prompt_hash"]  # sharded runs are judged
     assert report["peak_memory_bytes"] > 100 * 2**20  # the max over ranks
 

@@ -38,8 +38,16 @@ class Tolerances:
     def for_dtype(cls, dtype: str) -> Tolerances:
         if dtype == "float32":
             return cls(prefill_rel_error=1e-3, near_tie_gap=1e-3, top_k=5, loglik_slack=0.05)
-        # bf16 / fp16 keep 8-11 bits of mantissa: logits drift by a few percent through a deep model
-        return cls(prefill_rel_error=5e-2, near_tie_gap=0.3, top_k=5, loglik_slack=0.3)
+        # bf16 / fp16 keep 8-11 bits of mantissa. Measured by bench/calibrate_verdict.py (BENCHMARKS.md, *Verdict
+        # calibration*: 203 benign bf16 runs of 10 architectures, graded faults):
+        # - prefill 0.04: dense benign runs reach 0.0244 (1.6x margin); a 10 % scaled shard reaches 0.0487 on
+        #   GPT-2, which 0.05 missed. A MoE router near-tie flipped by bf16 reaches 0.098 — no threshold that
+        #   catches faults separates that; the bench reports it as the miss.
+        # - near-tie gap 0.3 nats: dense benign gaps reach 0.094; 0.2 would catch two more off-by-one cache
+        #   positions on these tiny models (logits of 1-4), but a real model's logits of 30-60 round in bf16
+        #   steps of 0.125-0.25 nats, so 0.3 stays until trn2 rows say otherwise.
+        # - top-5 and 0.3 nats of likelihood slack: benign runs reach rank 1 and a 0.141 drop.
+        return cls(prefill_rel_error=4e-2, near_tie_gap=0.3, top_k=5, loglik_slack=0.3)
 
 
 @dataclass(frozen=True)
