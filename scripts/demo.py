@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         help="what the cpu backend gives torch.compile; aot_eager skips C++ codegen (~5 s instead of ~45 s)",
     )
     parser.add_argument("--timeout", type=float, default=1200, help="seconds to wait for all results")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the stack running after the results (Ctrl-C stops it), to browse /"
+    )
     args = parser.parse_args(argv)
 
     data_dir = args.data_dir.resolve()
@@ -133,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         print("    " + seed.to_string(index=False).replace("\n", "\n    "))
         passed = submitted == 0 and len(rows) == len(models) and all(r["result"] == "PASS" for r in rows)
         step("every model PASS" if passed else "not every model passed: see the table and the logs")
+        step(f"results page: {api}/  (a model: {api}/model/demo/tiny-llama)")
+        if args.keep:
+            step("--keep: the stack keeps running; Ctrl-C stops it")
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                pass
         return 0 if passed else 1
     finally:
         step("stopping what the demo started")
