@@ -280,7 +280,8 @@ def test_run_builds_the_reproduce_commands_argv_and_runs_the_runner(api_url: str
     args = ["run", "local", "--local-dir", str(tiny_models / "tiny-gpt2"), "--backend", "cpu", "--cores", "1"]
     dry = ok(cli(api_url, *args, "--dry-run"))
     python, *argv = shlex.split(dry)  # the entry point's python: this venv's, maybe named python3
-    assert Path(python).parent == Path(sys.executable).parent and argv == ["-m", "services.runner", *request.to_argv()]
+    assert Path(python).resolve() == Path(sys.executable).resolve()
+    assert argv == ["-m", "services.runner", *request.to_argv()]
     # A real runner child: a model the Hub does not have ends ERROR(not_found), whose exit status (3) passes through.
     missing = cli(api_url, "run", "cli/no-such-model", "--backend", "cpu", timeout=120)
     assert missing.returncode == 3, missing.stdout + missing.stderr

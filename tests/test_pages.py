@@ -14,25 +14,24 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 import sqlalchemy as sa
 import uvicorn
 from sqlalchemy.orm import Session
 
 from shared.contracts import RunReport, RuntimeInfo
-from shared.db.engine import make_engine, new_session
 from shared.db.models import Sweep, SweepEntry
 from shared.enums import ErrorClass, Stage, SweepState, Task, Verdict
 from shared.hub.client import ResolvedModel
 from shared.jobs import rules as jobs
 from shared.processes import free_port
 from shared.settings import get_settings
-from tests.conftest import PG_BASE, pg_url
+from tests.conftest import fresh_database
 
 OLD, NEW = "pages-1.0", "pages-2.0"
 LIB, NEWER_LIB = "5.0", "5.1"
@@ -72,13 +71,39 @@ class Seeded:
         return f"{self.org}/m{i}"
 
 
+@contextmanager
+def serving(engine: sa.Engine) -> Iterator[None]:
+    """The app reads ``engine``'s database while inside: the pages see only the rows planted there."""
+    from services.api.deps import get_session
+    from services.api.main import app
+
+    def session_of_engine() -> Iterator[Session]:
+        with Session(engine) as session:
+            yield session
+
+    previous = app.dependency_overrides.get(get_session)
+    app.dependency_overrides[get_session] = session_of_engine
+    try:
+        yield
+    finally:
+        if previous is None:
+            app.dependency_overrides.pop(get_session)
+        else:
+            app.dependency_overrides[get_session] = previous
+
+
 @pytest.fixture(scope="module")
-def seeded() -> Seeded:
+def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeded]:
+    with fresh_database("postgresql", tmp_path_factory.mktemp("pages")) as engine, serving(engine):
+        yield plant(engine)
+
+
+def plant(engine: sa.Engine) -> Seeded:
     """A fresh org: six text-generation models under two compiler versions (m1 regresses PASS → FAIL, m2
     PASS → ERROR, m5 is fixed), two of them (m1, m3) under a newer transformers too, two feature-extraction models,
     and a finished sweep whose trending view ranks m3, m0, m5, m1 and a model it never ran."""
     org = f"pages{uuid.uuid4().hex[:8]}"
-    with new_session() as session:
+    with Session(engine) as session:
         for i in range(6):
             finished(session, f"{org}/m{i}", runtime(OLD, LIB), Verdict.FAIL if i == 5 else Verdict.PASS,
                      wall_s=40.0 + i, compile_s=30.0)  # fmt: skip
@@ -329,18 +354,10 @@ FROM jobs
 
 
 @pytest.fixture(scope="module")
-def big_schema() -> Iterator[Session]:
-    """A schema of its own with 100 k finished runs of one compiler version, bulk-inserted in SQL."""
-    from shared.db.migrate import upgrade
-
-    schema = f"pages_big_{uuid.uuid4().hex[:8]}"
-    admin_url = PG_BASE.replace("postgresql+psycopg", "postgresql")
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    engine = make_engine(pg_url(schema))
-    try:
-        started = time.perf_counter()
-        upgrade(pg_url(schema))
+def big_schema(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
+    """A database of its own with 100 k finished runs of one compiler version, bulk-inserted in SQL."""
+    started = time.perf_counter()
+    with fresh_database("postgresql", tmp_path_factory.mktemp("pages-big")) as engine:
         with engine.begin() as conn:
             conn.exec_driver_sql(BIG_JOBS.format(rows=BIG_ROWS))
             conn.exec_driver_sql(BIG_RESULTS)
@@ -349,27 +366,12 @@ def big_schema() -> Iterator[Session]:
         print(f"\n100 k rows: schema migrated and filled in {time.perf_counter() - started:.1f} s")
         with Session(engine) as session:
             yield session
-    finally:
-        engine.dispose()
-        with psycopg.connect(admin_url, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 def test_the_first_page_of_100k_rows_renders_fast(page: Any, server: Served, big_schema: Session) -> None:
     """Server-side paging, filtering and sorting: the time is printed, not asserted (shared CPUs vary)."""
-    from services.api.deps import get_session
-
     assert big_schema.scalar(sa.text("SELECT count(*) FROM results")) == BIG_ROWS
-    engine = big_schema.get_bind()
-
-    def big_session() -> Iterator[Session]:
-        with Session(engine) as session:
-            yield session
-
-    from services.api.main import app
-
-    app.dependency_overrides[get_session] = big_session
-    try:
+    with serving(big_schema.get_bind()):
         timings = {}
         for name, path in [
             ("first page", "/"),
@@ -392,5 +394,3 @@ def test_the_first_page_of_100k_rows_renders_fast(page: Any, server: Served, big
         assert page.locator("#results tbody tr").count() == 100 and "Page 500 of 1,000" in page.content()
         print("100 k rows, browser time to load: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in timings.items()))
         page.goto(server.url("/"))  # the screenshot shows the first page
-    finally:
-        app.dependency_overrides.pop(get_session)

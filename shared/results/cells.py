@@ -8,6 +8,7 @@ submission (SKIPPED) count like any other.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -19,6 +20,11 @@ from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from shared.db.models import Job, Result
+
+
+def version_key(version: str) -> tuple[tuple[int, int | str], ...]:
+    """Orders versions by their numbers: ``2.9.1`` before ``2.21.0``, ``inductor-2.13.0`` by 2, 13, 0."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", version) if p)
 
 
 class CellStatus(StrEnum):

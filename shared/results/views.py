@@ -10,7 +10,6 @@ at the configured price per core-hour.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from shared.db.models import Job, Result, Sweep, SweepEntry
 from shared.enums import JobState, SweepState, Verdict
+from shared.results.cells import version_key
 from shared.results.records import ResultRecord
 
 View = Literal["all", "selected", "trending", "downloads"]
@@ -38,11 +38,6 @@ def cost_usd(wall_s: float | None, cores: int | None, price_per_core_hour: float
     if wall_s is None or cores is None:
         return None
     return wall_s * cores / 3600 * price_per_core_hour
-
-
-def version_key(version: str) -> tuple[Any, ...]:
-    """Orders versions by their numbers ("2.10" after "2.9"): the parts between digits compare as text."""
-    return tuple(int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", version)))
 
 
 def compiler_versions(session: Session) -> list[str]:

@@ -9,7 +9,6 @@ indexed ``results.signature_id``.
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -22,6 +21,7 @@ from services.api.deps import SessionDep, SettingsDep
 from services.api.schemas import CompilerVersion, error_responses
 from shared.db.models import Job, Result
 from shared.enums import ErrorClass, Task, Verdict
+from shared.results.cells import version_key
 
 router = APIRouter(prefix="/failures", tags=["results"])
 
@@ -69,11 +69,6 @@ def list_failures(
     example models, and the version each cause first appeared in."""
     items = failure_groups(session, compiler, task)[: min(limit, settings.page_limit_max)]
     return FailurePage(compiler=compiler, task=task, items=items)
-
-
-def version_key(version: str) -> tuple[tuple[int, int | str], ...]:
-    """Orders versions by their numbers: ``2.9.1`` before ``2.21.0``, ``inductor-2.13.0`` by 2, 13, 0."""
-    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", version) if p)
 
 
 def failure_groups(session: Session, compiler: str | None, task: Task | None) -> list[FailureGroup]:
