@@ -525,7 +525,11 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
             f"{_fmt(t['faulted_min'])} | {_fmt(t['faulted_median'])} | {t['beyond']} / {t['of']} | {t['against']} |"
         )
     lines.append("")
-    lines.append("What if: every run re-decided by `decide` under other bf16 tolerances (top-k stays 5):")
+    lines.append(
+        "What if: every run re-decided by `decide` under other bf16 tolerances (top-k stays 5). The tables above keep"
+        " each run's verdict as it was decided during the run, under the tolerances of that time; the row marked"
+        " the code's is what the code decides now:"
+    )
     lines.append("")
     lines.append("| prefill / near-tie gap / loglik slack | benign FAIL, dense | benign FAIL, MoE | 10 % scale caught "
                  "| rotary base | off-by-one position | 1 % scale | smallest scale caught everywhere |")  # fmt: skip

@@ -89,6 +89,9 @@ def test_the_judge_decides_a_sharded_run_whose_numbers_are_inconclusive() -> Non
     # a judge that cannot tell, or cannot tell the reference's text from garbage, leaves the numbers' FAIL
     assert decide(Evidence(**inconclusive, judge=judge(None, True)), BF16).verdict == Verdict.FAIL
     assert decide(Evidence(**inconclusive, judge=judge(True, False)), BF16).verdict == Verdict.FAIL
+    # no answer about the reference's text: the judge's answer about the accelerator's decides
+    assert decide(Evidence(**inconclusive, judge=judge(True, None)), BF16).verdict == Verdict.PASS
+    assert decide(Evidence(**inconclusive, judge=judge(False, None)), BF16).verdict == Verdict.FAIL
     # the likelihood judge weighs only what the rule already weighed; single-core runs have no judge
     likelihood = JudgeOutcome("likelihood", None, "h", True, True, "Yes / Yes", "close")
     assert decide(Evidence(**inconclusive, judge=likelihood), BF16).verdict == Verdict.FAIL
@@ -98,3 +101,22 @@ def test_the_judge_decides_a_sharded_run_whose_numbers_are_inconclusive() -> Non
     implausible = inconclusive | {"accelerator_loglik": -3.0}
     decision = decide(Evidence(**implausible, judge=judge(True, True)), BF16)
     assert decision.verdict == Verdict.FAIL and "implausible" in decision.reason
+
+
+def test_the_bf16_and_fp32_tolerances_at_their_edges() -> None:
+    """The thresholds themselves (bench/calibrate_verdict.py measured where they sit): a hair inside passes, a hair
+    outside fails — prefill error, near-tie gap and rank (top-5), likelihood slack."""
+    for tol, prefill, gap, slack in ((BF16, 4e-2, 0.3, 0.3), (FP32, 1e-3, 1e-3, 0.05)):
+        assert decide(Evidence(TOKENS, TOKENS, prefill_rel_error=prefill * 0.99), tol).verdict == Verdict.PASS
+        assert decide(Evidence(TOKENS, TOKENS, prefill_rel_error=prefill * 1.01), tol).verdict == Verdict.FAIL
+        for step_gap, rank, verdict in (
+            (gap, 4, Verdict.PASS),
+            (gap * 1.01, 1, Verdict.FAIL),
+            (gap / 2, 5, Verdict.FAIL),
+        ):
+            step = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=step_gap, rank=rank)
+            assert decide(Evidence(diverged(5), TOKENS, [step]), tol).verdict == verdict, (tol, step_gap, rank)
+        near = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=gap / 2, rank=1)
+        for loss, verdict in ((slack * 0.99, Verdict.PASS), (slack * 1.01, Verdict.FAIL)):
+            evidence = Evidence(diverged(5), TOKENS, [near], accelerator_loglik=-2.0 - loss, reference_loglik=-2.0)
+            assert decide(evidence, tol).verdict == verdict
