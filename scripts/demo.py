@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -138,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         step("every model PASS" if passed else "not every model passed: see the table and the logs")
         step(f"results page: {api}/  (a model: {api}/model/demo/tiny-llama)")
         if args.keep:
-            step("--keep: the stack keeps running; Ctrl-C stops it")
+            step("--keep: the stack keeps running; Ctrl-C (or SIGTERM) stops it")
+            # A shell starts a background job with SIGINT ignored: take both signals back, so either stops it cleanly.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
             try:
                 while True:
                     time.sleep(3600)
