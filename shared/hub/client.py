@@ -6,6 +6,7 @@ import importlib
 import json
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -161,14 +162,20 @@ class Listed:
     rank: int  # 1-based
 
 
-def list_top(pipeline_tag: str, view: str, limit: int) -> list[Listed]:
-    """The Hub's top models of a pipeline tag by trending score or downloads, as its model pages rank them."""
-    sort = {"trending": "trending_score", "downloads": "downloads"}[view]
+def list_top(pipeline_tags: Sequence[str], view: str, limit: int) -> list[Listed]:
+    """The Hub's top ``limit`` models over ``pipeline_tags`` (one task's) by trending score or downloads: one
+    ranking — each tag's top ``limit`` merged by the score the Hub sorted them by, a model listed under two tags
+    once — as the Hub's model pages rank them."""
+    sort, score = {"trending": ("trending_score", "trending_score"), "downloads": ("downloads", "downloads")}[view]
+    scored: dict[str, float] = {}
     try:
-        models = HfApi().list_models(pipeline_tag=pipeline_tag, sort=sort, limit=limit)
-        return [Listed(m.id, view, rank) for rank, m in enumerate(models, start=1)]
+        for tag in pipeline_tags:
+            for m in HfApi().list_models(pipeline_tag=tag, sort=sort, limit=limit):
+                scored[m.id] = max(scored.get(m.id, 0.0), float(getattr(m, score) or 0))
     except (HfHubHTTPError, OSError, *TRANSPORT_ERRORS) as exc:
-        raise HubUnavailable(f"listing {pipeline_tag} by {view}: {exc}") from exc
+        raise HubUnavailable(f"listing {', '.join(pipeline_tags)} by {view}: {exc}") from exc
+    ranked = sorted(scored, key=lambda model_id: -scored[model_id])[:limit]  # stable: the Hub's order breaks ties
+    return [Listed(model_id, view, rank) for rank, model_id in enumerate(ranked, start=1)]
 
 
 class Unsizable(HubError):

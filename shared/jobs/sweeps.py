@@ -63,7 +63,7 @@ def candidates(settings: Settings) -> list[Candidate]:
         found.append(Candidate(model_id, task, "selected", rank))
     for task in settings.sweep_tasks:
         for view in VIEWS:
-            listed = [m for tag in PIPELINES[task] for m in list_top(tag, view, settings.sweep_limit)]
+            listed = list_top(PIPELINES[task], view, settings.sweep_limit)
             found += [Candidate(m.model_id, task, view, m.rank) for m in listed]
     return found
 

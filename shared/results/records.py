@@ -166,8 +166,8 @@ def query_results(
     limit: int | None = None,
     job_ids: list[int] | None = None,
 ) -> list[ResultRecord]:
-    """Newest first, or in the order of ``job_ids`` when given; ``before_id`` is the cursor (the last job id of
-    the previous page)."""
+    """Newest first, ``before_id`` the cursor (the last job id of the previous page); or, when ``job_ids`` is
+    given, those jobs' rows in that order (all of them: ``limit`` and ``before_id`` page the newest-first order)."""
     stmt = sa.select(Result, Job).join(Job, Result.job_id == Job.id).order_by(Job.id.desc())
     if model_id is not None:
         stmt = stmt.where(Job.model_id == model_id)
@@ -180,14 +180,12 @@ def query_results(
     if before_id is not None:
         stmt = stmt.where(Job.id < before_id)
     if job_ids is not None:
-        stmt = stmt.where(Job.id.in_(job_ids))
-    if limit is not None and job_ids is None:
-        stmt = stmt.limit(limit)
-    rows = [record(r, j) for r, j in session.execute(stmt).all()]
-    if job_ids is not None:
         order = {job_id: i for i, job_id in enumerate(job_ids)}
-        rows = sorted(rows, key=lambda r: order[r.job_id])[:limit]
-    return rows
+        rows = [record(r, j) for r, j in session.execute(stmt.where(Job.id.in_(job_ids))).all()]
+        return sorted(rows, key=lambda r: order[r.job_id])
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    return [record(r, j) for r, j in session.execute(stmt).all()]
 
 
 def to_table(records: Sequence[ResultRecord]) -> pa.Table:

@@ -58,17 +58,17 @@ def list_results(
     task: Task | None = None,
 ) -> ResultPage | Response:
     limit = min(limit, settings.page_limit_max)
-    rows = query_results(
-        session,
-        model_id=model_id,
-        compiler=compiler,
-        library_version=library_version,
-        verdict=verdict,
-        before_id=cursor,
-        limit=limit,
-        job_ids=view_job_ids(session, view, task.value if task else None) if view else None,
-    )
-    next_cursor = str(rows[-1].job_id) if len(rows) == limit else None
+    filters = {"model_id": model_id, "compiler": compiler, "library_version": library_version, "verdict": verdict}
+    if view is None:
+        rows = query_results(session, **filters, before_id=cursor, limit=limit)
+        next_cursor = str(rows[-1].job_id) if len(rows) == limit else None
+    else:
+        # A view pages in its rank order: the cursor is the position (1-based) of the next page's first row among
+        # the view's rows that pass the filters. A view is one sweep's list, so it is read whole.
+        ranked = query_results(session, **filters, job_ids=view_job_ids(session, view, task.value if task else None))
+        start = (cursor or 1) - 1
+        rows = ranked[start : start + limit]
+        next_cursor = str(start + limit + 1) if start + limit < len(ranked) else None
     headers = {NEXT_CURSOR_HEADER: next_cursor} if next_cursor else {}
     if format == "csv":
         return Response(to_csv(rows), media_type="text/csv", headers=headers)
