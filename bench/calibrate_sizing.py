@@ -63,22 +63,11 @@ class Row:
 
 
 def terms(shape: Any, cores: int, dtype: str) -> tuple[int, float, float]:
-    """(predicted, weights_per_core, rest) from sizing's own per_core_bytes, evaluated with the overhead at 0 and 1
-    and without the reserve: whatever the formula's other terms are, they stay sizing's."""
+    """(predicted, weights_per_core, rest): sizing's own prediction and the terms it is made of."""
     from shared.hub import sizing
 
-    predicted = sizing.per_core_bytes(shape, cores, dtype)
-    saved = sizing.FRAGMENTATION, sizing.RUNTIME_RESERVE
-    try:
-        sizing.RUNTIME_RESERVE = 0
-        sizing.FRAGMENTATION = 0.0
-        plain = sizing.per_core_bytes(shape, cores, dtype)
-        sizing.FRAGMENTATION = 1.0
-        doubled = sizing.per_core_bytes(shape, cores, dtype)
-    finally:
-        sizing.FRAGMENTATION, sizing.RUNTIME_RESERVE = saved
-    weights = doubled - plain
-    return predicted, float(weights), float(plain - weights)
+    split = sizing.per_core_terms(shape, cores, dtype)
+    return sizing.per_core_bytes(shape, cores, dtype), split.weights, split.rest
 
 
 def approximate(predicted: int) -> tuple[float, float]:

@@ -162,8 +162,16 @@ def weight_bytes(shape: ModelShape, run_dtype: str = RUN_DTYPE) -> int:
     return sum(count * (run if dtype in _FLOATING else _DTYPE_BYTES.get(dtype, run)) for dtype, count in shape.dtypes)
 
 
-def per_core_bytes(shape: ModelShape, cores: int, run_dtype: str = RUN_DTYPE) -> int:
-    """per_core(n) of the module docstring: the predicted peak memory of one core when sharded over ``cores``."""
+@dataclass(frozen=True)
+class PerCoreTerms:
+    """per_core(n) = weights * (1 + FRAGMENTATION) + rest + RUNTIME_RESERVE, its terms kept apart (what
+    bench/calibrate_sizing.py fits the overhead and the reserve against)."""
+
+    weights: float  # the weights one core holds: its share of the split ones and all the replicated ones
+    rest: float  # the KV cache one core holds, and one step's activations
+
+
+def per_core_terms(shape: ModelShape, cores: int, run_dtype: str = RUN_DTYPE) -> PerCoreTerms:
     weights = weight_bytes(shape, run_dtype)
     positions = PROMPT_POSITIONS + NEW_TOKENS
     kv_cache = 2 * shape.layers * shape.kv_heads * shape.head_dim * positions * dtype_bytes(run_dtype)
@@ -171,11 +179,14 @@ def per_core_bytes(shape: ModelShape, cores: int, run_dtype: str = RUN_DTYPE) ->
     if shape.is_moe:
         share = min(shape.expert_parameters / shape.parameters, 1.0) if shape.parameters else 0.0
         experts = weights * share
-        replicated = (weights - experts) * (1 + FRAGMENTATION) + kv_cache
-        need = replicated + experts * (1 + FRAGMENTATION) / cores
-    else:
-        need = (weights * (1 + FRAGMENTATION) + kv_cache) / cores
-    return int(need + activations + RUNTIME_RESERVE)
+        return PerCoreTerms(weights - experts + experts / cores, kv_cache + activations)
+    return PerCoreTerms(weights / cores, kv_cache / cores + activations)
+
+
+def per_core_bytes(shape: ModelShape, cores: int, run_dtype: str = RUN_DTYPE) -> int:
+    """per_core(n) of the module docstring: the predicted peak memory of one core when sharded over ``cores``."""
+    terms = per_core_terms(shape, cores, run_dtype)
+    return int(terms.weights * (1 + FRAGMENTATION) + terms.rest + RUNTIME_RESERVE)
 
 
 def split_refusal(shape: ModelShape, cores: int) -> str | None:
