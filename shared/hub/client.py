@@ -166,12 +166,12 @@ def list_top(pipeline_tags: Sequence[str], view: str, limit: int) -> list[Listed
     """The Hub's top ``limit`` models over ``pipeline_tags`` (one task's) by trending score or downloads: one
     ranking — each tag's top ``limit`` merged by the score the Hub sorted them by, a model listed under two tags
     once — as the Hub's model pages rank them."""
-    sort, score = {"trending": ("trending_score", "trending_score"), "downloads": ("downloads", "downloads")}[view]
+    sort = {"trending": "trending_score", "downloads": "downloads"}[view]  # also the score's ModelInfo attribute
     scored: dict[str, float] = {}
     try:
         for tag in pipeline_tags:
             for m in HfApi().list_models(pipeline_tag=tag, sort=sort, limit=limit):
-                scored[m.id] = max(scored.get(m.id, 0.0), float(getattr(m, score) or 0))
+                scored[m.id] = max(scored.get(m.id, 0.0), float(getattr(m, sort) or 0))
     except (HfHubHTTPError, OSError, *TRANSPORT_ERRORS) as exc:
         raise HubUnavailable(f"listing {', '.join(pipeline_tags)} by {view}: {exc}") from exc
     ranked = sorted(scored, key=lambda model_id: -scored[model_id])[:limit]  # stable: the Hub's order breaks ties

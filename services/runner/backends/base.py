@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shared.contracts import LIBRARY, RuntimeInfo
+from shared.hub.sizing import run_dtype
 from shared.settings import Settings
 
 
@@ -14,11 +15,16 @@ class Backend(ABC):
     name: str
     device: str  # where the accelerator run places the model
     collective: str  # torch.distributed backend for sharded runs
-    dtype: str = "float32"  # run dtype of both the accelerator and the CPU reference
     compile_backend: str  # what torch.compile is given
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+
+    @property
+    def dtype(self) -> str:
+        """The run dtype of both the accelerator run and the CPU reference: sizing's answer, so that the API
+        sizes a model at the dtype it will run in."""
+        return run_dtype(self.name, self.settings.cpu_dtype)
 
     @property
     def fault(self) -> str | None:

@@ -20,10 +20,6 @@ class CpuBackend(Backend):
         return self.settings.cpu_compile_backend
 
     @property
-    def dtype(self) -> str:  # type: ignore[override]
-        return self.settings.cpu_dtype
-
-    @property
     def fault(self) -> str | None:
         return self.settings.cpu_fault
 

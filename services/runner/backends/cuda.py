@@ -10,7 +10,6 @@ class CudaBackend(DeviceBackend):
     name = "cuda"
     device = "cuda"
     collective = "nccl"
-    dtype = "bfloat16"
     compile_backend = "inductor"
 
     def accelerator_env(self) -> dict[str, str]:

@@ -17,7 +17,6 @@ class NeuronBackend(DeviceBackend):
     name = "neuron"
     device = "neuron"
     collective = "neuron"
-    dtype = "bfloat16"
     compile_backend = "neuron"
 
     def reference_env(self) -> dict[str, str]:

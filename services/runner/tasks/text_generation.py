@@ -7,9 +7,9 @@ the accelerator's tokens teacher-forced on the accelerator's prefix: the evidenc
 Greedy picks from *processed* scores: the logits processors that the model's generation config and our
 arguments imply (``min_new_tokens`` masks EOS, a repetition penalty rescales seen tokens) run between the
 logits and the choice. So the reference scores the accelerator's tokens through ``generate`` itself, forced
-token by token (``_ForceTokens``, after every processor): each step's processed scores decide whether a
-divergent token was a near tie, and its raw logits give the text's likelihood, as the prefill check uses raw
-logits too.
+token by token (``_ForceTokens``, after every processor; its own run already is that when the tokens match):
+each step's processed scores decide whether a divergent token was a near tie, and its raw logits give the
+text's likelihood, as the prefill check uses raw logits too.
 """
 
 from __future__ import annotations
@@ -142,13 +142,17 @@ class TextGeneration:
             ref_tokens = out.sequences[0, prompt_length:].tolist()
             ref_logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
             reference_loglik = sum(lp[t].item() for lp, t in zip(ref_logprobs, ref_tokens, strict=True)) / NEW_TOKENS
-            forced = _ForceTokens(acc_tokens, prompt_length)
-            scored = model.generate(**inputs, **kwargs, logits_processor=LogitsProcessorList([forced]))
+            if acc_tokens == ref_tokens:  # the reference's own run already went through the accelerator's prefix
+                raw_steps, processed_steps = out.logits, [step[0].float() for step in out.scores]
+            else:
+                forced = _ForceTokens(acc_tokens, prompt_length)
+                scored = model.generate(**inputs, **kwargs, logits_processor=LogitsProcessorList([forced]))
+                raw_steps, processed_steps = scored.logits, forced.processed
         steps, acc_loglik, reordered = [], 0.0, []
         for i, token in enumerate(acc_tokens):
-            raw = torch.log_softmax(scored.logits[i][0].float(), -1)
+            raw = torch.log_softmax(raw_steps[i][0].float(), -1)
             acc_loglik += raw[token].item() / NEW_TOKENS
-            processed = torch.log_softmax(forced.processed[i], -1)
+            processed = torch.log_softmax(processed_steps[i], -1)
             best = int(processed.argmax())
             if int(raw.argmax()) != best:
                 reordered.append(i)
