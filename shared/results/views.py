@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from shared.db.models import Job, Result, Sweep, SweepEntry
 from shared.enums import JobState, SweepState, Verdict
+from shared.hub.sizing import GIB
 from shared.results.cells import version_key
 from shared.results.records import ResultRecord
 
@@ -27,17 +28,24 @@ VIEWS: tuple[View, ...] = ("all", "selected", "trending", "downloads")
 Sort = Literal["rank", "model", "result", "cores", "wall", "compile", "memory", "cache", "cost"]
 SORTS: tuple[Sort, ...] = ("rank", "model", "result", "cores", "wall", "compile", "memory", "cache", "cost")
 Direction = Literal["asc", "desc"]
-GIB = 1 << 30
 # A job in these states has its result row (both are written in one transaction, shared.jobs.rules._close):
 # filtering on the state spares a join with results where only the job's columns are read.
 WITH_RESULT = (JobState.done, JobState.failed)
+
+
+def core_seconds_usd(core_seconds: float, price_per_core_hour: float) -> float:
+    return core_seconds / 3600 * price_per_core_hour
 
 
 def cost_usd(wall_s: float | None, cores: int | None, price_per_core_hour: float) -> float | None:
     """Dollars of one run: wall time (compilation included) times cores, at the price of one core-hour."""
     if wall_s is None or cores is None:
         return None
-    return wall_s * cores / 3600 * price_per_core_hour
+    return core_seconds_usd(wall_s * cores, price_per_core_hour)
+
+
+def per_pass_usd(cost: float, passes: int) -> float | None:
+    return cost / passes if passes else None
 
 
 def compiler_versions(session: Session) -> list[str]:
@@ -98,7 +106,7 @@ class Totals:
 
     @property
     def cost_per_pass_usd(self) -> float | None:
-        return self.cost_usd / self.passes if self.passes else None
+        return per_pass_usd(self.cost_usd, self.passes)
 
 
 @dataclass(frozen=True)
@@ -217,7 +225,7 @@ def table_page(
             runs=totals[1],
             passes=totals[2],
             core_seconds=seconds,
-            cost_usd=seconds / 3600 * price_per_core_hour,
+            cost_usd=core_seconds_usd(seconds, price_per_core_hour),
         ),
         offset=offset,
         limit=limit,
@@ -287,7 +295,7 @@ class SweepCost:
 
     @property
     def cost_per_pass_usd(self) -> float | None:
-        return self.cost_usd / self.passes if self.passes else None
+        return per_pass_usd(self.cost_usd, self.passes)
 
 
 def sweep_rows(session: Session, sweep_id: int, price_per_core_hour: float) -> tuple[list[SweepRow], SweepCost]:
