@@ -26,7 +26,7 @@ from services.cli import display
 from services.cli.client import ApiClient, CliError, one_line
 from services.cli.display import console
 from shared.auth.scopes import Scope
-from shared.enums import JobState, Task, Verdict
+from shared.enums import ACTIVE_STATES, JobState, SweepState, Task, Verdict
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -312,13 +312,13 @@ def sweep(
         if display.sweep_summary(current) != said:
             said = display.sweep_summary(current)
             console.print(said, highlight=False)
-    if current.state.value == "failed":
+    if current.state == SweepState.failed:
         raise CliError(f"sweep {current.id} failed: {current.error}")
 
 
 def _sweep_finished(sweep: SweepOut) -> bool:
-    active = sum(n for state, n in sweep.jobs.items() if state.value in ("queued", "running", "judging"))
-    return sweep.state.value in ("done", "failed") and active == 0
+    active = sum(n for state, n in sweep.jobs.items() if state in ACTIVE_STATES)
+    return sweep.state in (SweepState.done, SweepState.failed) and active == 0
 
 
 @app.command()

@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from shared.enums import ACTIVE_STATES, FINISHED_STATES
+
 if TYPE_CHECKING:
     from services.api.schemas import JobOut, WorkerOut
     from shared.db.models import ApiToken
@@ -25,8 +27,7 @@ if TYPE_CHECKING:
 # Wide enough that a table written to a pipe is not folded into a column of ellipses.
 console = Console(width=None if Console().is_terminal else 200)
 
-FINISHED = ("done", "failed", "cancelled")
-STEPS = {"queued": 0, "running": 1, "judging": 2}  # a finished job is at step 3 of 3
+STEPS = {state: step for step, state in enumerate(ACTIVE_STATES)}  # a finished job is past the last of them
 VERDICT_STYLE = {"PASS": "green", "FAIL": "red", "ERROR": "red", "SKIPPED": "yellow", "FLAKY": "magenta"}
 
 
@@ -145,7 +146,7 @@ def follow_jobs(
         disable=not live,
     )
     bars = {
-        job.id: progress.add_task(f"job {job.id} {job.model_id} ({job.compiler_version})", total=3, state="")
+        job.id: progress.add_task(f"job {job.id} {job.model_id} ({job.compiler_version})", total=len(STEPS), state="")
         for job in jobs
     }
     shown: dict[int, str] = {}
@@ -158,7 +159,7 @@ def follow_jobs(
             label += f" ({job.error_class.value})"
         if live:
             styled = f"{state} {verdict_text(verdict)}" if verdict else state
-            progress.update(bars[job.id], completed=STEPS.get(state, 3), state=styled)
+            progress.update(bars[job.id], completed=STEPS.get(job.state, len(STEPS)), state=styled)
         elif shown.get(job.id) != label:
             console.print(
                 f"  [{time.monotonic() - start:6.1f} s] job {job.id} {job.model_id}: {label}", highlight=False
@@ -168,16 +169,16 @@ def follow_jobs(
     with progress:
         while True:
             for job_id, job in list(latest.items()):
-                if job.state.value not in FINISHED:
+                if job.state not in FINISHED_STATES:
                     job = latest[job_id] = fetch(job_id)
-                if job.state.value in FINISHED and job_id not in verdicts:
+                if job.state in FINISHED_STATES and job_id not in verdicts:
                     verdicts[job_id] = verdict_of(job)
                 show(job)
-            if all(job.state.value in FINISHED for job in latest.values()):
+            if all(job.state in FINISHED_STATES for job in latest.values()):
                 return latest, verdicts
             if time.monotonic() - start > timeout_s:
                 waiting = ", ".join(
-                    f"{j.id} ({j.state.value})" for j in latest.values() if j.state.value not in FINISHED
+                    f"{j.id} ({j.state.value})" for j in latest.values() if j.state not in FINISHED_STATES
                 )
                 raise TimeoutError(f"gave up waiting after {timeout_s:g} s; unfinished jobs: {waiting}")
             time.sleep(poll_s)
