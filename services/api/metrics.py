@@ -33,6 +33,7 @@ from shared.cores import CoreGroup
 from shared.db.engine import new_session
 from shared.db.models import Job, QueueSeen, Result, Sweep, SweepEntry, Worker, utcnow
 from shared.enums import JobState, Stage, SweepState, Verdict
+from shared.jobs.rules import LeaseOwner, live_since
 from shared.settings import Settings, get_settings
 
 # Seconds; the slowest runner is bounded by SUPPORTMATRIX_JOB_TIMEOUT_S (1 h by default), the buckets go to 2 h.
@@ -358,8 +359,9 @@ class StateCollector(Collector):
             sa.select(Worker.name, Worker.host, Worker.cores, Worker.compiler_version, Worker.heartbeat_at)
         ).tuples()
         owners = session.scalars(sa.select(Job.lease_owner).where(Job.state == JobState.running)).all()
-        busy_owners = {owner.rpartition(":")[0] for owner in owners if owner}  # "<name>@<host>"
-        stale = now - dt.timedelta(seconds=settings.worker_stale_s)
+        holders = [LeaseOwner.parse(owner) for owner in owners if owner]
+        busy = {(holder.worker, holder.host) for holder in holders if holder is not None}
+        stale = live_since(settings, now)
         cores: dict[str, dict[str, int]] = defaultdict(lambda: {"busy": 0, "idle": 0})
         idle: dict[str, set[int]] = defaultdict(set)
         liveness: dict[str, dict[str, int]] = defaultdict(lambda: {"live": 0, "stale": 0})
@@ -373,7 +375,7 @@ class StateCollector(Collector):
             liveness[host]["live"] += 1
             per_compiler[version] += 1
             group = CoreGroup.parse(core_range)
-            if f"{name.split('@')[0]}@{host}" in busy_owners:
+            if (name.split("@")[0], host) in busy:
                 cores[host]["busy"] += group.size
             else:
                 cores[host]["idle"] += group.size

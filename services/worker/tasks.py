@@ -34,7 +34,15 @@ from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
 from shared.jobs.queues import EXPORT_TASK, JUDGE_JOB_TASK, RECONCILE_TASK, RUN_JOB_TASK, SWEEP_TASK, verdict_queue
 from shared.jobs.reconcile import claim_sweep
 from shared.jobs.reconcile import reconcile as reconcile_jobs
-from shared.jobs.rules import Claim, acquire_lease, finish, heartbeat, job_report, release_for_verdict
+from shared.jobs.rules import (
+    Claim,
+    LeaseOwner,
+    acquire_lease,
+    finish,
+    heartbeat,
+    job_report,
+    release_for_verdict,
+)
 from shared.jobs.sweeps import open_sweep, run_sweep
 from shared.results import references
 from shared.settings import Settings, get_settings, hub_token
@@ -44,22 +52,19 @@ Result = TypeVar("Result")
 
 
 def lease_owner(hostname: str | None, settings: Settings) -> str:
-    """``<worker name>@<host>:<pid>``: who holds a lease, and enough to tell on this host whether it lives."""
-    name = (hostname or "worker").split("@")[0]
-    return f"{name}@{settings.host_name}:{os.getpid()}"
+    """This process as a lease's owner (``LeaseOwner``)."""
+    return str(LeaseOwner((hostname or "worker").split("@")[0], settings.host_name, os.getpid()))
 
 
 def dead_local_owner(job: Job | None, settings: Settings) -> str | None:
     """The job's lease owner when it is a process of this host that no longer exists (a killed pool child):
     its lease may be taken over at once instead of after the lease timeout."""
     owner = job.lease_owner if job else None
-    if not owner:
-        return None
-    where, _, pid = owner.rpartition(":")
-    if where.rpartition("@")[2] != settings.host_name or not pid.isdigit():
+    holder = LeaseOwner.parse(owner) if owner else None
+    if holder is None or holder.host != settings.host_name:
         return None
     try:  # a reused pid is not our worker: only a live worker process keeps the lease
-        alive = "services.worker" in " ".join(psutil.Process(int(pid)).cmdline())
+        alive = "services.worker" in " ".join(psutil.Process(holder.pid).cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         alive = False
     return None if alive else owner

@@ -50,8 +50,32 @@ class JobFinished(RuntimeError):
 # --- what is served -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class LeaseOwner:
+    """Who holds a lease, written ``<worker name>@<host>:<pid>``: enough to tell on its host whether it lives."""
+
+    worker: str
+    host: str
+    pid: int
+
+    def __str__(self) -> str:
+        return f"{self.worker}@{self.host}:{self.pid}"
+
+    @classmethod
+    def parse(cls, owner: str) -> LeaseOwner | None:
+        """The owner a lease names, or None when it is not one a worker wrote."""
+        where, _, pid = owner.rpartition(":")
+        worker, at, host = where.rpartition("@")
+        return cls(worker, host, int(pid)) if at and pid.isdigit() else None
+
+
+def live_since(settings: Settings, now: dt.datetime | None = None) -> dt.datetime:
+    """A worker whose last heartbeat is older than this is not live."""
+    return (now or utcnow()) - dt.timedelta(seconds=settings.worker_stale_s)
+
+
 def live_workers(session: Session, settings: Settings, now: dt.datetime | None = None) -> Sequence[Worker]:
-    since = (now or utcnow()) - dt.timedelta(seconds=settings.worker_stale_s)
+    since = live_since(settings, now)
     return session.scalars(sa.select(Worker).where(Worker.heartbeat_at >= since).order_by(Worker.name)).all()
 
 
