@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         started.processes += [
             spawn(logs / "api.log", "-m", "uvicorn", "services.api.main:app", "--port", str(api_port)),
             # one worker per core group of this host (two 1-core groups on a 2-CPU machine)
-            spawn(logs / "workers.log", "-m", "services.worker.host", "--cores", str(host_cores), "--every", "5"),
+            spawn(logs / "workers.log", "-m", "services.worker.host", "--cores", str(host_cores)),
             spawn(
                 logs / "collector.log", "-m", "celery", "-A", "services.worker.celery_app:app", "worker",
                 "--queues", "supportmatrix.control", "--pool", "solo", "--hostname", "demo-collector@%h",

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.worker.planner import overlaps, plan_layout, reconcile
+from services.worker.planner import HostState, overlaps, plan_host, plan_layout
 from shared.cores import CoreGroup, cpu_set, format_cpus
 
 HOST = 64
@@ -61,18 +61,48 @@ def test_sizes_larger_than_the_host_are_left_out() -> None:
 def test_random_backlogs_always_give_a_valid_layout(seed: int) -> None:
     rng = random.Random(seed)
     backlog = {s: rng.choice([0, 0, 1, 3, 50]) for s in (1, 2, 4, 8, 16)}
-    groups = plan_layout(HOST, backlog)
+    seconds = {s: rng.choice([10.0, 100.0, 1000.0]) for s in backlog}
+    groups = plan_layout(HOST, backlog, seconds)
     check_layout(groups)
     for size, jobs in backlog.items():
-        assert (sizes(groups).get(size, 0) >= 1) == (jobs > 0) or size == 1
+        if jobs and not sizes(groups).get(size):  # only larger sizes' groups keep a size out
+            assert sum(g.size for g in groups if g.size > size) > HOST - size
+        assert sizes(groups).get(size, 0) <= max(jobs, HOST if size == 1 else 0)
 
 
-def test_reconcile_drains_groups_leaving_the_plan_and_starts_new_ones() -> None:
-    current = {CoreGroup(0, 2), CoreGroup(2, 1), CoreGroup(3, 1)}
-    target = [CoreGroup(0, 2), CoreGroup(2, 2)]
-    drain, start = reconcile(current, target)
-    assert drain == {CoreGroup(2, 1), CoreGroup(3, 1)} and start == [CoreGroup(2, 2)]
-    assert overlaps(CoreGroup(2, 2), drain)  # so the launcher waits for both to exit before starting it
+def test_long_large_jobs_open_several_groups_at_once() -> None:
+    """Three 4-core jobs of 100 s and a 1-core job of 10 s on 16 cores: all three 4-core jobs start now (they
+    are the critical path: 100 s in all), not one after the other beside the short one (300 s)."""
+    assert sizes(plan_layout(16, {4: 3, 1: 1}, {4: 100.0, 1: 10.0})) == {4: 3, 1: 4}
+    # when the 1-core jobs are the long ones, they are the critical path: one 4-core group, the rest 1-core
+    assert sizes(plan_layout(8, {4: 2, 1: 6}, {4: 10.0, 1: 100.0})) == {4: 1, 1: 4}
+    # the share of the work decides when nothing is known of durations: 8 core-units of 4-core work, 6 of 1-core
+    assert sizes(plan_layout(8, {4: 2, 1: 6})) == {4: 1, 1: 4}
+
+
+def test_one_core_groups_pack_into_the_fewest_aligned_blocks() -> None:
+    """Kept groups stay; a new 1-core group takes the hole beside another 1-core group (core 5, beside 4), not
+    core 6, which would break the free aligned pair 6-7."""
+    busy = {CoreGroup(0, 4), CoreGroup(4, 1)}
+    plan = plan_host(
+        HostState(total_cores=8, backlog={4: 1, 1: 2, 2: 1}, workers=frozenset(busy), busy=frozenset(busy))
+    )
+    assert plan.layout == [CoreGroup(0, 4), CoreGroup(4, 1), CoreGroup(5, 1), CoreGroup(6, 2)]
+    assert plan.drain == [] and plan.start == [CoreGroup(5, 1), CoreGroup(6, 2)]
+
+
+def test_the_plan_keeps_busy_workers_and_drains_idle_ones_first() -> None:
+    """Two 1-core workers, one busy; the backlog now needs one 1-core group and one 2-core group: the busy
+    worker stays, the idle one drains, and the 2-core group waits for its cores only if they are held."""
+    workers = frozenset({CoreGroup(0, 1), CoreGroup(2, 1)})
+    plan = plan_host(HostState(total_cores=4, backlog={1: 1, 2: 1}, workers=workers, busy=frozenset({CoreGroup(2, 1)})))
+    assert CoreGroup(2, 1) in plan.layout and plan.drain == [CoreGroup(0, 1)]
+    assert sorted(plan.start + plan.waiting) == [g for g in plan.layout if g not in workers]
+    [pair] = [g for g in plan.layout if g.size == 2]
+    assert (pair in plan.waiting) == overlaps(pair, plan.drain)
+    # a worker already draining holds its cores until it exits: a group over them waits
+    drained = plan_host(HostState(total_cores=2, backlog={2: 1}, draining=frozenset({CoreGroup(1, 1)})))
+    assert drained.waiting == [CoreGroup(0, 2)] and drained.start == []
 
 
 def test_core_groups_parse_print_and_map_to_cpus() -> None:

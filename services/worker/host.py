@@ -1,41 +1,119 @@
 """`python -m services.worker.host`: run a host's workers, one per core group, and re-plan as work changes.
 
-Every ``--every`` seconds it reads the backlog (queued and running jobs of this backend, per group size),
-asks the planner for a layout, drains the workers whose group left the plan (SIGTERM: Celery's warm
-shutdown lets the running job finish) and starts workers on new groups once their cores are free. Beside
-them it keeps ``SUPPORTMATRIX_VERDICT_WORKERS`` verdict workers on the host's CPUs, unpinned: a job's
-verdict stage runs there after its accelerator stage has given its cores back.
+Every ``--poll`` seconds it reads its share of the backlog (SQL: this host's running jobs, plus its share of
+the queued ones split evenly over the live hosts, per group size), the accelerator-stage seconds recent jobs
+took per size, and which of its workers are busy. When any of that changes, or a worker exits — a job
+queued, started or finished — it re-plans (services/worker/planner.py): drains the workers whose group
+left the layout (SIGTERM: Celery's warm shutdown lets a running job finish) and starts workers on new
+groups once their cores are free. Every plan, drain, start and exit is one log line with the backlog
+behind it. Beside them it keeps ``SUPPORTMATRIX_VERDICT_WORKERS`` verdict workers on the host's CPUs,
+unpinned: a job's verdict stage runs there after its accelerator stage has given its cores back.
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import statistics
 import subprocess
 import sys
 import threading
+import time
+from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
-from services.worker.planner import overlaps, plan_layout, reconcile
+from services.worker.planner import HostPlan, HostState, plan_host
 from shared.cores import CoreGroup
 from shared.db.engine import new_session
-from shared.db.models import Job
+from shared.db.models import Job, Worker
 from shared.enums import JobState
+from shared.jobs.rules import LeaseOwner, live_since
 from shared.settings import Settings, get_settings
 
-# The states that need cores: a judging job has given its cores back.
-CORE_STATES = (JobState.queued, JobState.running)
+ACCELERATOR_WORKER_PREFIX = "cores-"  # an accelerator worker is named cores-<group>
+RECENT_JOBS = 200  # the accelerator-stage durations the expected seconds per size come from
 
 
-def backlog(settings: Settings) -> dict[int, int]:
+def worker_name(group: CoreGroup) -> str:
+    return f"{ACCELERATOR_WORKER_PREFIX}{group}"
+
+
+@dataclass(frozen=True)
+class HostBacklog:
+    """This host's share of the work, as SQL says now."""
+
+    jobs: dict[int, int]  # per group size: this host's running jobs + its share of the queued ones
+    queued: dict[int, int]  # per group size, all hosts
+    hosts: int  # live hosts sharing the queued jobs
+    busy: frozenset[CoreGroup]  # this host's groups running a job
+    seconds_per_job: dict[int, float] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        seconds = {size: round(s, 1) for size, s in sorted(self.seconds_per_job.items(), reverse=True)}
+        return (
+            f"backlog {dict(sorted(self.jobs.items(), reverse=True))} (queued on all {self.hosts} host(s): "
+            f"{dict(sorted(self.queued.items(), reverse=True))}; busy: {' '.join(map(str, sorted(self.busy))) or '-'}"
+            f"; seconds per job: {seconds or 'unknown'})"
+        )
+
+
+def share(queued: int, hosts: int, index: int) -> int:
+    """Host ``index``'s part of ``queued`` jobs split evenly over ``hosts``: the parts add up to ``queued``."""
+    return queued // hosts + (1 if index < queued % hosts else 0)
+
+
+def read_backlog(settings: Settings) -> HostBacklog:
     with new_session() as session:
-        rows = session.execute(
-            sa.select(Job.cores, sa.func.count())
-            .where(Job.backend == settings.backend, Job.state.in_(CORE_STATES))
-            .group_by(Job.cores)
+        queued = dict(
+            session.execute(
+                sa.select(Job.cores, sa.func.count())
+                .where(Job.backend == settings.backend, Job.state == JobState.queued)
+                .group_by(Job.cores)
+            ).all()
+        )
+        owners = session.execute(
+            sa.select(Job.cores, Job.lease_owner).where(Job.backend == settings.backend, Job.state == JobState.running)
         ).all()
-    return {int(cores): int(n) for cores, n in rows}
+        live = set(
+            session.scalars(sa.select(Worker.host).where(Worker.heartbeat_at >= live_since(settings)).distinct()).all()
+        )
+        recent = session.execute(
+            sa.select(Job.cores, Job.started_at, Job.judging_at)
+            .where(
+                Job.backend == settings.backend,
+                Job.state.in_((JobState.judging, JobState.done, JobState.failed)),
+                Job.started_at.is_not(None),
+                Job.judging_at.is_not(None),
+            )
+            .order_by(Job.id.desc())
+            .limit(RECENT_JOBS)
+        ).all()
+    hosts = sorted(live | {settings.host_name})
+    index = hosts.index(settings.host_name)
+    jobs = {int(size): share(int(n), len(hosts), index) for size, n in queued.items()}
+    busy = set()
+    for size, owner in owners:
+        holder = LeaseOwner.parse(owner or "")
+        if holder is None or holder.host != settings.host_name:
+            continue
+        jobs[int(size)] = jobs.get(int(size), 0) + 1
+        if holder.worker.startswith(ACCELERATOR_WORKER_PREFIX):
+            busy.add(CoreGroup.parse(holder.worker.removeprefix(ACCELERATOR_WORKER_PREFIX)))
+    durations: dict[int, list[float]] = {}
+    for size, started, judging in recent:
+        durations.setdefault(int(size), []).append((judging - started).total_seconds())
+    return HostBacklog(
+        jobs={size: n for size, n in jobs.items() if n},
+        queued={int(size): int(n) for size, n in queued.items()},
+        hosts=len(hosts),
+        busy=frozenset(busy),
+        seconds_per_job={size: statistics.median(d) for size, d in durations.items()},
+    )
+
+
+def groups_text(groups: list[CoreGroup]) -> str:
+    return " ".join(map(str, groups)) or "-"
 
 
 class HostLauncher:
@@ -44,35 +122,57 @@ class HostLauncher:
         self.total_cores = total_cores
         self.workers: dict[CoreGroup, subprocess.Popen[bytes]] = {}
         self.draining: dict[CoreGroup, subprocess.Popen[bytes]] = {}
+        self.started_at: dict[CoreGroup, float] = {}
         self.verdict_workers: list[subprocess.Popen[bytes]] = []
+        self.last_plan: HostPlan | None = None
 
-    def step(self) -> None:
+    def step(self) -> HostPlan:
         self.verdict_workers = [p for p in self.verdict_workers if p.poll() is None]
         for i in range(len(self.verdict_workers), self.settings.verdict_workers):
-            print(f"starting verdict worker {i}", flush=True)
+            log(f"start: verdict worker {i}")
             command = [sys.executable, "-m", "services.worker", "--verdict", "--name", f"verdict-{i}"]
             self.verdict_workers.append(subprocess.Popen(command))
         for group, proc in list(self.draining.items()):
             if proc.poll() is not None:
                 del self.draining[group]
+                log(f"exit: worker on cores {group} drained ({self.lifetime(group, proc)})")
         for group, proc in list(self.workers.items()):
-            if proc.poll() is not None:  # died on its own: its group is free again, restart it below
+            if proc.poll() is not None:  # died on its own: its group is free again, restarted below
                 del self.workers[group]
-        target = plan_layout(self.total_cores, backlog(self.settings))
-        drain, start = reconcile(set(self.workers), target)
-        for group in drain:
+                log(f"exit: worker on cores {group} ended on its own ({self.lifetime(group, proc)})")
+        backlog = read_backlog(self.settings)
+        state = HostState(
+            total_cores=self.total_cores,
+            backlog=backlog.jobs,
+            seconds_per_job=backlog.seconds_per_job,
+            workers=frozenset(self.workers),
+            busy=backlog.busy & set(self.workers),
+            draining=frozenset(self.draining),
+        )
+        plan = plan_host(state)
+        if plan != self.last_plan:
+            log(
+                f"plan: {backlog} -> layout {groups_text(plan.layout)}; drain {groups_text(plan.drain)}; "
+                f"start {groups_text(plan.start)}; waiting for drains {groups_text(plan.waiting)}"
+            )
+            self.last_plan = plan
+        for group in plan.drain:
             proc = self.workers.pop(group)
             proc.send_signal(signal.SIGTERM)
             self.draining[group] = proc
-        busy = set(self.workers) | set(self.draining)
-        for group in start:
-            if not overlaps(group, busy):
-                self.workers[group] = self.spawn(group)
-                busy.add(group)
+            log(f"drain: worker on cores {group} ({'busy: finishes its job first' if group in state.busy else 'idle'})")
+        for group in plan.start:
+            self.workers[group] = self.spawn(group)
+        return plan
 
     def spawn(self, group: CoreGroup) -> subprocess.Popen[bytes]:
-        print(f"starting a worker on cores {group}", flush=True)
-        return subprocess.Popen([sys.executable, "-m", "services.worker", "--cores", str(group)])
+        proc = subprocess.Popen([sys.executable, "-m", "services.worker", "--cores", str(group)])
+        self.started_at[group] = time.monotonic()
+        log(f"start: worker on cores {group} (pid {proc.pid})")
+        return proc
+
+    def lifetime(self, group: CoreGroup, proc: subprocess.Popen[bytes]) -> str:
+        return f"exit {proc.returncode}, after {time.monotonic() - self.started_at.pop(group, time.monotonic()):.1f} s"
 
     def stop(self) -> None:
         procs = list(self.workers.values()) + list(self.draining.values()) + self.verdict_workers
@@ -83,11 +183,15 @@ class HostLauncher:
             proc.wait()
 
 
+def log(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} host: {message}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     settings = get_settings()
     parser = argparse.ArgumentParser(prog="python -m services.worker.host", description=__doc__)
     parser.add_argument("--cores", type=int, default=settings.host_cores, help="cores this host has")
-    parser.add_argument("--every", type=float, default=30.0, help="seconds between re-plans")
+    parser.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the backlog and workers")
     args = parser.parse_args(argv)
     launcher = HostLauncher(settings, args.cores)
     stop = threading.Event()
@@ -95,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     while not stop.is_set():
         launcher.step()
-        stop.wait(args.every)
+        stop.wait(args.poll)
     launcher.stop()
     return 0
 

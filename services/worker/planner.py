@@ -1,56 +1,154 @@
-"""The host layout: which aligned core groups a host runs workers on, given the backlog per group size.
+"""A host's layout: which aligned core groups it runs workers on, given its backlog per group size.
 
-A pure function, so the launcher, tests and simulations share it. Rules, in order:
-1. every size with queued work gets at least one group, largest sizes first (a 16-core job is never
-   starved by a stream of 1-core jobs), as far as the host's cores allow;
-2. the remaining cores go, one group at a time, to the size furthest below its share of the queued
-   work (jobs * size * expected seconds), never more groups of a size than it has jobs;
-3. cores still free become 1-core groups, so nothing idles when work of any size arrives;
-4. groups are placed largest first at consecutive offsets, which keeps each aligned to its size.
+Pure functions, so the launcher, tests and the fleet simulator (bench/makespan.py) share them.
+
+How many groups of each size (`group_counts`), in order:
+1. every size with work gets a group, largest first (a 16-core job is never starved by a stream of
+   1-core jobs), as far as the host's cores allow;
+2. then, one group at a time, the size that would finish its backlog last gets another, as far as the
+   cores allow (longest processing time first, per size): with ``c`` groups a size of ``n`` jobs of ``d``
+   seconds finishes after ``ceil(n / c) * d``; with none (its group did not fit), after the host's
+   remaining-makespan estimate ``T = max(total work / cores, longest job)`` plus ``n * d``. Long large jobs
+   are the critical path, so their size opens several groups at once; never more groups of a size than it
+   has jobs;
+3. the rest become 1-core groups, ready for whatever comes next.
+
+Where the groups go (`place`), buddy-allocator style: the groups that already have workers stay where
+they are (busy ones first: draining a busy worker holds its cores until its job ends), and each new group
+takes the free aligned block in the most occupied enclosing block, so small groups pack together and
+large aligned blocks stay free for large groups. When kept idle workers fragment the host, they drain.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from shared.cores import CoreGroup
 from shared.hub.sizing import CORE_SIZES
 
 
-def plan_layout(
+def group_counts(
     total_cores: int, backlog: Mapping[int, int], seconds_per_job: Mapping[int, float] | None = None
-) -> list[CoreGroup]:
-    """``backlog``: queued (and running) jobs per group size. Returns disjoint, aligned groups."""
+) -> dict[int, int]:
+    """Groups per size. ``backlog``: jobs per size that need cores (queued or running); ``seconds_per_job``:
+    the expected accelerator-stage seconds per size (unknown sizes count 1 s, so the sizes weigh by
+    core-units)."""
     sizes = sorted((s for s in CORE_SIZES if backlog.get(s, 0) > 0 and s <= total_cores), reverse=True)
-    work = {s: backlog[s] * s * (seconds_per_job or {}).get(s, 1.0) for s in sizes}
-    total_work = sum(work.values()) or 1.0
+    seconds = {s: (seconds_per_job or {}).get(s) or 1.0 for s in sizes}
+    total_work = sum(backlog[s] * s * seconds[s] for s in sizes)
+    horizon = max([total_work / total_cores, *seconds.values()]) if sizes else 1.0
     counts = dict.fromkeys(sizes, 0)
     free = total_cores
     for size in sizes:  # rule 1
         if size <= free:
-            counts[size] += 1
+            counts[size] = 1
             free -= size
+
+    def finish(size: int) -> float:
+        if counts[size] == 0:
+            return horizon + backlog[size] * seconds[size]
+        return math.ceil(backlog[size] / counts[size]) * seconds[size]
+
     while True:  # rule 2
         candidates = [s for s in sizes if s <= free and counts[s] < backlog[s]]
         if not candidates:
             break
-        size = max(candidates, key=lambda s: (work[s] / total_work * total_cores - counts[s] * s, s))
+        size = max(candidates, key=lambda s: (finish(s), s))
         counts[size] += 1
         free -= size
     counts[1] = counts.get(1, 0) + free  # rule 3
-    groups, start = [], 0
-    for size in sorted(counts, reverse=True):  # rule 4
-        for _ in range(counts[size]):
-            groups.append(CoreGroup(start, size))
-            start += size
-    return groups
+    return {size: n for size, n in counts.items() if n}
 
 
-def reconcile(current: set[CoreGroup], target: list[CoreGroup]) -> tuple[set[CoreGroup], list[CoreGroup]]:
-    """Workers to drain (their group is not in the plan) and groups to start (not running yet)."""
-    wanted = set(target)
-    return current - wanted, [g for g in target if g not in current]
+def place(total_cores: int, counts: Mapping[int, int], keep: Iterable[CoreGroup] = ()) -> list[CoreGroup] | None:
+    """Disjoint aligned groups, ``counts[size]`` of each size, keeping the groups of ``keep`` (in its order of
+    preference) where the counts allow; None when what is kept leaves no aligned hole for a new group."""
+    taken = [False] * total_cores
+    layout: list[CoreGroup] = []
+    remaining = dict(counts)
+    for group in keep:
+        if remaining.get(group.size, 0) > 0 and group.end < total_cores and not any(taken[c] for c in group.cores):
+            layout.append(group)
+            remaining[group.size] -= 1
+            for c in group.cores:
+                taken[c] = True
+    for size in sorted(remaining, reverse=True):
+        for _ in range(remaining[size]):
+            group = _tightest_free_block(taken, size)
+            if group is None:
+                return None
+            layout.append(group)
+            for c in group.cores:
+                taken[c] = True
+    return sorted(layout)
 
 
-def overlaps(group: CoreGroup, others: set[CoreGroup]) -> bool:
+def _tightest_free_block(taken: list[bool], size: int) -> CoreGroup | None:
+    """The free aligned block of ``size`` whose smallest enclosing aligned block already holds a taken core
+    is the smallest (best fit); ties go to the lowest start."""
+    total = len(taken)
+    best: tuple[int, int] | None = None
+    for start in range(0, total - size + 1, size):
+        if any(taken[start : start + size]):
+            continue
+        parent = size * 2
+        while parent < 2 * total and not any(taken[(start // parent) * parent : (start // parent + 1) * parent]):
+            parent *= 2
+        if best is None or (parent, start) < best:
+            best = (parent, start)
+    return None if best is None else CoreGroup(best[1], size)
+
+
+@dataclass(frozen=True)
+class HostState:
+    """What the launcher knows when it plans: its share of the backlog and its workers."""
+
+    total_cores: int
+    backlog: Mapping[int, int]
+    seconds_per_job: Mapping[int, float] = field(default_factory=dict)
+    workers: frozenset[CoreGroup] = frozenset()  # live, not draining
+    busy: frozenset[CoreGroup] = frozenset()  # workers running a job now
+    draining: frozenset[CoreGroup] = frozenset()  # finishing their job, then exiting
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    layout: list[CoreGroup]
+    drain: list[CoreGroup]  # workers whose group left the layout
+    start: list[CoreGroup]  # new groups whose cores are free now
+    waiting: list[CoreGroup]  # new groups whose cores a draining worker still holds
+
+    def changes(self) -> bool:
+        return bool(self.drain or self.start)
+
+
+def plan_host(state: HostState) -> HostPlan:
+    counts = group_counts(state.total_cores, state.backlog, state.seconds_per_job)
+    # Keep every worker if the layout can; else only the busy ones (idle ones drain at once); else none.
+    # Largest groups first (sizes descending) always pack, so the last try never fails.
+    busy = sorted(state.busy & state.workers)
+    for keep in (busy + sorted(state.workers - state.busy), busy, []):
+        layout = place(state.total_cores, counts, keep)
+        if layout is not None:
+            break
+    assert layout is not None
+    drain = sorted(state.workers - set(layout))
+    held = set(state.draining) | set(drain)  # cores freed only when those workers exit
+    start, waiting = [], []
+    for group in layout:
+        if group not in state.workers:
+            (waiting if overlaps(group, held) else start).append(group)
+    return HostPlan(layout=layout, drain=drain, start=start, waiting=waiting)
+
+
+def plan_layout(
+    total_cores: int, backlog: Mapping[int, int], seconds_per_job: Mapping[int, float] | None = None
+) -> list[CoreGroup]:
+    """A fresh layout, with no workers to keep."""
+    return plan_host(HostState(total_cores, backlog, seconds_per_job or {})).layout
+
+
+def overlaps(group: CoreGroup, others: Iterable[CoreGroup]) -> bool:
     return any(group.start <= o.end and o.start <= group.end for o in others)

@@ -160,6 +160,7 @@ def query_results(
     *,
     model_id: str | None = None,
     compiler: str | None = None,
+    library: str | None = None,
     library_version: str | None = None,
     verdict: Verdict | None = None,
     before_id: int | None = None,
@@ -173,6 +174,8 @@ def query_results(
         stmt = stmt.where(Job.model_id == model_id)
     if compiler is not None:
         stmt = stmt.where(Job.compiler_version == compiler)
+    if library is not None:
+        stmt = stmt.where(Job.library == library)
     if library_version is not None:
         stmt = stmt.where(Job.library_version == library_version)
     if verdict is not None:

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench` runs them (see bench/__main__.py)."""

@@ -1,0 +1,42 @@
+"""The fleet simulator (bench/fleet.py) drives the project's real planner: change the planner, and the
+simulated makespan of the same sweep changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import fleet
+from bench.makespan import sweep_jobs
+from services.worker import planner
+
+BURST = [fleet.SimJob(f"c{cores}-{i}", cores, accelerator_s=10.0 * cores, verdict_s=2.0)
+         for cores, n in ((1, 6), (2, 3), (4, 2)) for i in range(n)]  # fmt: skip
+
+
+def test_the_simulation_runs_every_job_once_and_respects_the_lower_bound() -> None:
+    result = fleet.simulate(BURST, hosts=1, cores_per_host=8)
+    assert sorted(result.ends) == sorted(j.name for j in BURST) == sorted(result.starts)
+    assert result.makespan_s >= result.lower_bound_s == max(sum(j.cores * j.accelerator_s for j in BURST) / 8, 42.0)
+
+
+def test_changing_the_planner_changes_the_simulated_makespan(monkeypatch: pytest.MonkeyPatch) -> None:
+    ours = fleet.simulate(BURST, hosts=1, cores_per_host=8, seconds_per_job=fleet.median_seconds_per_size(BURST))
+
+    # a planner that gives the whole host to the largest size with work, then to the next
+    def largest_only(total: int, backlog: dict[int, int], seconds: object = None) -> dict[int, int]:
+        size = max(backlog, default=1)
+        return {size: total // size}
+
+    monkeypatch.setattr(planner, "group_counts", largest_only)
+    naive = fleet.simulate(BURST, hosts=1, cores_per_host=8, seconds_per_job=fleet.median_seconds_per_size(BURST))
+    assert naive.makespan_s != ours.makespan_s and sorted(naive.ends) == sorted(ours.ends)
+
+
+def test_fixed_layouts_leave_out_jobs_larger_than_their_groups() -> None:
+    ones = fleet.simulate(BURST, hosts=1, cores_per_host=8, layout=[1] * 8)
+    assert ones.jobs_unrunnable == 5 and len(ones.ends) == 6
+
+
+def test_the_hub_sweep_data_sizes_through_the_real_sizing() -> None:
+    jobs, too_big = sweep_jobs()
+    assert len(jobs) + too_big >= 200 and {j.cores for j in jobs} == {1, 2, 4, 8, 16}
