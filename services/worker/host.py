@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
+from services.worker.__main__ import describe_runtime
 from services.worker.planner import HostPlan, HostState, plan_host
 from shared.cores import CoreGroup
 from shared.db.engine import new_session
@@ -193,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", type=int, default=settings.host_cores, help="cores this host has")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the backlog and workers")
     args = parser.parse_args(argv)
+    # Described once per host and kept (services/worker/__main__.py): every worker started after reads it back
+    # instead of importing torch in a runner child, so a worker is ready in about a second.
+    log(f"serving {describe_runtime(settings).compiler_version}")
     launcher = HostLauncher(settings, args.cores)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
