@@ -28,6 +28,9 @@ class Benchmark:
     module: str
     default: bool  # in the plain `python -m bench` run
     about: str
+    # A calibration script runs its own main(argv) and writes its own BENCHMARKS.md section (a fit and
+    # what-if tables, not ours-against-a-baseline rows).
+    script_argv: tuple[str, ...] | None = None
 
 
 BENCHMARKS = {
@@ -36,8 +39,15 @@ BENCHMARKS = {
     "compile_cache": Benchmark("bench.compile_cache", True, "P2: cold vs warm compile, 1 core and 2 ranks"),
     "api_scale": Benchmark("bench.api_scale", True, "P5: the API over 1 M result rows in PostgreSQL"),
     "export": Benchmark("bench.export_scale", True, "P6: full and incremental export, batched publish"),
-    "calibrate_sizing": Benchmark("bench.calibrate_sizing", False, "issue 9: sizing fit (4 min)"),
-    "calibrate_verdict": Benchmark("bench.calibrate_verdict", False, "issue 9: verdict thresholds (30 min)"),
+    "calibrate_sizing": Benchmark(
+        "bench.calibrate_sizing", False, "issue 9: sizing fit (4 min)", ("--measure", "--quick", "--write")
+    ),
+    "calibrate_verdict": Benchmark(
+        "bench.calibrate_verdict",
+        False,
+        "issue 9: verdict thresholds (30 min)",
+        ("--runs", "200", "--write", "--json", ".data/bench/verdict/runs.jsonl"),
+    ),
 }
 
 
@@ -64,11 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         bench = BENCHMARKS[name]
         print(f"== {name}: {bench.about}", flush=True)
+        module = importlib.import_module(bench.module)
+        if bench.script_argv is not None:
+            module.main(list(bench.script_argv))
+            continue
         work = args.work / name
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         t0 = time.monotonic()
-        section = importlib.import_module(bench.module).run(work)
+        section = module.run(work)
         section = section.model_copy(
             update={
                 "name": name,

@@ -229,7 +229,7 @@ def report(rows: list[Row], source: str, command: str, wall_s: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    from bench.calibrate_verdict import write_section
+    from bench.report import write_section
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--database-url", help="default: SUPPORTMATRIX_DATABASE_URL, or the data dir's SQLite")

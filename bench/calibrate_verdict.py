@@ -547,20 +547,9 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, heading: str, body: str) -> None:
-    """Replace (or append) one ``## `` section of a markdown file, keeping the others."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nMeasured by the scripts in `bench/`.\n"
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + body.rstrip("\n") + "\n"
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        new = "\n".join(lines[:start] + body.rstrip("\n").splitlines() + [""] + lines[end:]).rstrip("\n") + "\n"
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    from bench.report import write_section
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=200, help="benign runs at least (default 200)")
     parser.add_argument("--quick", action="store_true", help="four architectures, one seed: a smoke test")
