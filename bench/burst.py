@@ -100,6 +100,7 @@ def run(work: Path) -> Section:
             wait_until(lambda: finished(client, lonely), 300, "a lonely job")
         jobs = {j["id"]: j for j in (get(client, f"/jobs/{i}") for i in burst_ids + lonely)}
         rows = {r["job_id"]: r for r in get(client, "/results", {"limit": 100})["items"]}
+        verdict_started = verdict_starts(burst_ids)
         references_before = reference_count(work)
         # P3: the same 1-core models under a second compiler version
         launcher.terminate()
@@ -117,7 +118,8 @@ def run(work: Path) -> Section:
         started.stop()
         hub.stop()
     log_lines = (logs / "host.log").read_text().splitlines()
-    return report(jobs, rows, burst_ids, lonely, log_lines, len(again), references_before, references_after)
+    return report(jobs, rows, burst_ids, lonely, log_lines, len(again), references_before, references_after,
+                  verdict_started)  # fmt: skip
 
 
 def report(
@@ -129,6 +131,7 @@ def report(
     models_again: int,
     references_before: int,
     references_after: int,
+    verdict_started: dict[int, float],
 ) -> Section:
     def t(job: dict[str, Any], key: str) -> float:
         return dt.datetime.fromisoformat(job[key]).timestamp()
@@ -155,7 +158,7 @@ def report(
         overhead.append(stage - busy)
         work_cs += j["cores"] * busy
         reserved_cs += j["cores"] * stage
-    verdict_stage = statistics.median(t(j, "finished_at") - t(j, "judging_at") for j in burst)
+    verdict_stage = statistics.median(s.verdict_s for s in sim_jobs)
     plans = [line for line in log_lines if " host: " in line]
     timeline = "\n".join(
         f"| {j['id']} | {j['cores']} | "
@@ -218,6 +221,23 @@ def submit(client: httpx.Client, repo: str, cores: int) -> int:
 
 def finished(client: httpx.Client, ids: list[int]) -> bool:
     return all((get(client, f"/jobs/{i}") or {}).get("state") in ("done", "failed") for i in ids)
+
+
+def verdict_starts(job_ids: list[int]) -> dict[int, float]:
+    """When each job's (last) verdict stage took its lease, from the job's attempt log in SQL."""
+    from shared.db.engine import new_session
+    from shared.db.models import Job
+    from shared.enums import Stage
+    from shared.jobs.rules import attempts
+
+    with new_session() as session:
+        found = {}
+        for job_id in job_ids:
+            job = session.get(Job, job_id)
+            assert job is not None
+            verdicts = [a for a in attempts(job) if a.stage == Stage.verdict]
+            found[job_id] = verdicts[-1].started_at.replace(tzinfo=None).timestamp()
+        return found
 
 
 def reference_count(work: Path) -> int:
