@@ -11,21 +11,41 @@ for neuronx-cc, as the public cache names it), because cache keys do not reliabl
 version. Entries are content-addressed, so sync only adds what is missing, never overwrites or deletes;
 each file lands under a temporary name and is renamed, so concurrent runs on a host share the local
 cache safely.
+
+Inductor keys its FX-graph and AOTAutograd cache entries by pickling what a graph depends on. A sharded
+graph takes the model's DeviceMesh as an input, and the mesh's pickled state carries a hash that differs
+in every process; ``key_device_meshes_by_value`` (called by ``Backend.compile`` in a sharded run) keeps it
+out of the keys, so a warm sharded run hits.
 """
 
 from __future__ import annotations
 
+import copyreg
 import os
 import posixpath
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 LOCAL_NAMES = {"cpu": "inductor", "cuda": "inductor-cuda", "neuron": "neff"}
 
 
 def local_cache_dir(cache_root: Path, backend: str) -> Path:
     return cache_root / LOCAL_NAMES[backend]
+
+
+def inductor_env(local: Path) -> dict[str, str]:
+    """Inductor's cache directory, and TMPDIR inside it.
+
+    Inductor builds its precompiled header (≈150 MB, once per torch version and compiler flags) under TMPDIR,
+    whatever its cache directory says: kept with the cache, it travels with it. The directory must exist, or
+    Python's tempfile silently falls back to /tmp, where the header outlives every cache and a cold run finds it.
+    """
+    scratch = local / "tmp"
+    scratch.mkdir(parents=True, exist_ok=True)
+    return {"TORCHINDUCTOR_CACHE_DIR": str(local), "TMPDIR": str(scratch)}
 
 
 def namespace(compiler_name: str, compiler_version: str) -> str:
@@ -113,6 +133,27 @@ class BucketRemote:
 
         HfApi(token=self.token).sync_bucket(str(local), self.path, ignore_existing=True, quiet=True)
         return SyncCount()
+
+
+def key_device_meshes_by_value() -> None:
+    """Pickle a DeviceMesh without its cached ``_hash``, so that cache keys of sharded graphs agree across
+    processes.
+
+    ``DeviceMesh._hash`` is Python's hash of a tuple holding None and the mesh's dimension names: salted
+    per process for strings (PYTHONHASHSEED) and, before Python 3.12, the address of None. Inductor's key
+    pickler (and AOTAutograd's, its subclass) starts from copyreg's dispatch table, so a reducer registered
+    there reaches them. It rebuilds the mesh exactly as the default reduction does, less the hash, which
+    the mesh recomputes on its next ``hash()``; the rank's own coordinates stay in the key.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    copyreg.pickle(DeviceMesh, _reduce_device_mesh)
+
+
+def _reduce_device_mesh(mesh: Any) -> tuple[Callable[..., Any], tuple[type], dict[str, Any]]:
+    state = mesh.__getstate__()  # DeviceMesh's own, which already leaves out its process groups
+    state.pop("_hash", None)
+    return copyreg.__newobj__, (type(mesh),), state
 
 
 def remote_for(url: str, ns: str, token: str | None = None) -> Remote | BucketRemote:

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from services.runner.compile_cache import key_device_meshes_by_value
 from shared.contracts import LIBRARY, RuntimeInfo
 from shared.hub.sizing import run_dtype
 from shared.settings import Settings
@@ -62,9 +63,14 @@ class Backend(ABC):
         )
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """The backend's torch.compile of ``fn``: a full graph, static shapes."""
+        """The backend's torch.compile of ``fn``: a full graph, static shapes.
+
+        A sharded model's graphs take its DeviceMesh as an input: its cache keys must not depend on the process.
+        """
         import torch
 
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            key_device_meshes_by_value()
         return torch.compile(fn, backend=self.compile_backend, fullgraph=True, dynamic=False)
 
     def synchronize(self) -> None:  # noqa: B027 - the CPU has nothing to wait for

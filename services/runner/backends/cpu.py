@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from services.runner.backends.base import Backend, inductor_cache_outcome
-from services.runner.compile_cache import local_cache_dir
+from services.runner.compile_cache import inductor_env, local_cache_dir
 from services.runner.measure import peak_rss_bytes
 from shared.cores import format_cpus
 
@@ -32,9 +32,7 @@ class CpuBackend(Backend):
         return env
 
     def accelerator_env(self) -> dict[str, str]:
-        inductor = local_cache_dir(self.settings.cache_path, self.name)
-        # Inductor writes precompiled headers under TMPDIR whatever its cache dir says: keep both together.
-        return {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TMPDIR": str(inductor / "tmp")}
+        return inductor_env(local_cache_dir(self.settings.cache_path, self.name))
 
     def compiler(self) -> tuple[str, str]:
         import torch

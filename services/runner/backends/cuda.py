@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.runner.backends.base import DeviceBackend, inductor_cache_outcome
-from services.runner.compile_cache import local_cache_dir
+from services.runner.compile_cache import inductor_env, local_cache_dir
 
 
 class CudaBackend(DeviceBackend):
@@ -13,8 +13,7 @@ class CudaBackend(DeviceBackend):
     compile_backend = "inductor"
 
     def accelerator_env(self) -> dict[str, str]:
-        inductor = local_cache_dir(self.settings.cache_path, self.name)
-        return {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TMPDIR": str(inductor / "tmp")}
+        return inductor_env(local_cache_dir(self.settings.cache_path, self.name))
 
     def compiler(self) -> tuple[str, str]:
         import torch
