@@ -11,7 +11,10 @@ How many groups of each size (`group_counts`), in order:
    remaining-makespan estimate ``T = max(total work / cores, longest job)`` plus ``n * d``. Long large jobs
    are the critical path, so their size opens several groups at once; never more groups of a size than it
    has jobs;
-3. the rest become 1-core groups, ready for whatever comes next.
+3. of the cores left, up to ``spare`` become idle 1-core groups, so a lonely 1-core job starts at once.
+   Only a few: idle workers anywhere on the host would take a burst's 1-core jobs before the next plan
+   and scatter them over the aligned blocks its larger groups need; the rest of the cores stay free
+   (a worker starts in about a second once the host has described its runtime).
 
 Where the groups go (`place`), buddy-allocator style: the groups that already have workers stay where
 they are (busy ones first: draining a busy worker holds its cores until its job ends), and each new group
@@ -28,9 +31,14 @@ from dataclasses import dataclass, field
 from shared.cores import CoreGroup
 from shared.hub.sizing import CORE_SIZES
 
+SPARE_GROUPS = 2  # idle 1-core groups a host keeps beyond its backlog (rule 3)
+
 
 def group_counts(
-    total_cores: int, backlog: Mapping[int, int], seconds_per_job: Mapping[int, float] | None = None
+    total_cores: int,
+    backlog: Mapping[int, int],
+    seconds_per_job: Mapping[int, float] | None = None,
+    spare: int = SPARE_GROUPS,
 ) -> dict[int, int]:
     """Groups per size. ``backlog``: jobs per size that need cores (queued or running); ``seconds_per_job``:
     the expected accelerator-stage seconds per size (unknown sizes count 1 s, so the sizes weigh by
@@ -58,7 +66,7 @@ def group_counts(
         size = max(candidates, key=lambda s: (finish(s), s))
         counts[size] += 1
         free -= size
-    counts[1] = counts.get(1, 0) + free  # rule 3
+    counts[1] = counts.get(1, 0) + min(free, spare)  # rule 3
     return {size: n for size, n in counts.items() if n}
 
 
@@ -111,6 +119,7 @@ class HostState:
     workers: frozenset[CoreGroup] = frozenset()  # live, not draining
     busy: frozenset[CoreGroup] = frozenset()  # workers running a job now
     draining: frozenset[CoreGroup] = frozenset()  # finishing their job, then exiting
+    spare: int = SPARE_GROUPS
 
 
 @dataclass(frozen=True)
@@ -125,7 +134,7 @@ class HostPlan:
 
 
 def plan_host(state: HostState) -> HostPlan:
-    counts = group_counts(state.total_cores, state.backlog, state.seconds_per_job)
+    counts = group_counts(state.total_cores, state.backlog, state.seconds_per_job, state.spare)
     # Keep every worker if the layout can; else only the busy ones (idle ones drain at once); else none.
     # Largest groups first (sizes descending) always pack, so the last try never fails.
     busy = sorted(state.busy & state.workers)
@@ -144,10 +153,13 @@ def plan_host(state: HostState) -> HostPlan:
 
 
 def plan_layout(
-    total_cores: int, backlog: Mapping[int, int], seconds_per_job: Mapping[int, float] | None = None
+    total_cores: int,
+    backlog: Mapping[int, int],
+    seconds_per_job: Mapping[int, float] | None = None,
+    spare: int = SPARE_GROUPS,
 ) -> list[CoreGroup]:
     """A fresh layout, with no workers to keep."""
-    return plan_host(HostState(total_cores, backlog, seconds_per_job or {})).layout
+    return plan_host(HostState(total_cores, backlog, seconds_per_job or {}, spare=spare)).layout
 
 
 def overlaps(group: CoreGroup, others: Iterable[CoreGroup]) -> bool:
