@@ -31,6 +31,7 @@ import httpx
 
 from bench.fleet import SimJob, Timings, lower_bound, simulate
 from bench.report import Goal, Measure, Section
+from services.worker.planner import SPARE_GROUPS
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST_CORES = 8
@@ -91,7 +92,7 @@ def run(work: Path) -> Section:
         )
         launcher = spawn(logs / "host.log", "-m", "services.worker.host", "--cores", str(HOST_CORES))
         started.processes.append(launcher)
-        wait_until(lambda: len(get(client, "/workers") or []) >= HOST_CORES, 300, "8 one-core workers")
+        wait_until(lambda: len(get(client, "/workers") or []) >= SPARE_GROUPS, 300, "the spare 1-core workers")
         burst_ids = [submit(client, repo, cores) for repo, cores in repos]  # all at once, as a sweep would
         wait_until(lambda: finished(client, burst_ids), 900, "the burst's jobs")
         lonely = []
