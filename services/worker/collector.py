@@ -1,7 +1,10 @@
-"""`python -m services.worker.collector [--every SECONDS]`: export results to Parquet, once or repeatedly.
+"""`python -m services.worker.collector [--every SECONDS]`: export all results to Parquet, once or repeatedly.
 
-The same export runs as the `supportmatrix.export` Celery task, which workers request after each result.
-With SUPPORTMATRIX_PUBLISH_REPO set, what changed is then pushed to that Hub dataset repo.
+Workers ask for an export after each result (``request_export``); the `supportmatrix.export` Celery task
+serves those requests together, at most one run per export window (``EXPORT_WINDOW_S``), and rewrites
+only the files and cells of the results that came in (``export_jobs``). This command rebuilds every file
+(``export_results``). Either way, with SUPPORTMATRIX_PUBLISH_REPO set, what changed is then pushed to that
+Hub dataset repo in one commit. One export runs at a time (a lock in the broker's Redis).
 """
 
 from __future__ import annotations
@@ -9,24 +12,49 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
+
+from sqlalchemy.orm import Session
 
 from shared.db.engine import session_scope
-from shared.results.export import export_results
+from shared.jobs.broker import PendingExports
+from shared.results.export import ExportSummary, export_jobs, export_results
 from shared.results.publish import publish
 from shared.settings import get_settings
 
 
-def export_once() -> str:
-    """Export, then push to the configured Hub dataset when anything changed. Returns what it did."""
+def _export_and_publish(export: Callable[[Session, Path], ExportSummary]) -> str:
     settings = get_settings()
     with session_scope() as session:
-        summary = export_results(session, settings.export_path)
+        summary = export(session, settings.export_path)
     said = f"{summary.data_dir}: {len(summary.written)} written, {len(summary.unchanged)} unchanged"
     if settings.publish_repo:
         pushed = publish(settings.export_path, settings.publish_repo, settings.publish_token)
         said += f"; {settings.publish_repo}: " + (f"pushed {pushed.commit}" if pushed.pushed else "up to date")
     print(said, flush=True)
     return said
+
+
+def export_once() -> str:
+    """Rebuild every file from SQL, then push what changed. Returns what it did."""
+    with PendingExports(get_settings().redis_url).exclusive(wait=True):
+        return _export_and_publish(export_results)
+
+
+def export_requested() -> str | None:
+    """Export the files of the jobs that asked for it since the last run, then push what changed; None when
+    another export is running (try again later: it may have read the jobs' rows before they were written)."""
+    pending = PendingExports(get_settings().redis_url)
+    with pending.exclusive(wait=False) as held:
+        if not held:
+            return None
+        job_ids = pending.take()
+        if not job_ids:
+            return "nothing to export"  # an earlier run took these jobs
+        said = _export_and_publish(lambda session, export_dir: export_jobs(session, export_dir, job_ids))
+        pending.done(job_ids)
+        return f"{len(job_ids)} jobs: {said}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,14 +22,14 @@ from sqlalchemy.orm import Session
 
 from services.worker import registry
 from services.worker.celery_app import app
-from services.worker.collector import export_once
+from services.worker.collector import export_requested
 from services.worker.supervise import supervise
 from shared.contracts import AcceleratorOutput, Artifacts, RunReport, RunRequest, VerdictOutput, write_model
 from shared.db.engine import DB_ERRORS, new_session, session_scope
 from shared.db.models import Job, Sweep, utcnow
 from shared.enums import ErrorClass, Stage, SweepState, Verdict
 from shared.hub.client import HubUnavailable
-from shared.jobs.broker import enqueue_job, enqueue_verdict, request_export, request_sweep
+from shared.jobs.broker import EXPORT_WINDOW_S, enqueue_job, enqueue_verdict, request_export, request_sweep
 from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
 from shared.jobs.queues import EXPORT_TASK, JUDGE_JOB_TASK, RECONCILE_TASK, RUN_JOB_TASK, SWEEP_TASK, verdict_queue
 from shared.jobs.reconcile import claim_sweep
@@ -229,7 +229,7 @@ def _hand_over_stored_reference(artifacts: Artifacts, settings: Settings) -> Non
 def _write_result(job_id: int, owner: str, report: RunReport, artifacts: Artifacts, settings: Settings) -> str:
     written = durably(settings, lambda s: finish(s, job_id, owner, report))
     if written:
-        request_export(app)
+        request_export(app, [job_id])
     _retire_artifacts(artifacts, keep=written and report.verdict == Verdict.FAIL, settings=settings)
     return f"{report.verdict} {report.error_class or ''}".strip() if written else "lease lost; nothing written"
 
@@ -244,9 +244,16 @@ def _retire_artifacts(artifacts: Artifacts, keep: bool, settings: Settings) -> N
             shutil.rmtree(kept, ignore_errors=True)
 
 
-@app.task(name=EXPORT_TASK)
-def export() -> str:
-    return export_once()
+@app.task(name=EXPORT_TASK, bind=True, max_retries=None)
+def export(self: Any) -> str:
+    """Export what the workers asked for since the last run (requests within a window share one run)."""
+    try:
+        said = export_requested()
+    except Exception as exc:  # the database, the disk or the Hub: the jobs stay in the set for the retry
+        raise self.retry(countdown=30, exc=exc) from exc
+    if said is None:  # another export holds the lock; the jobs wait in the set for this retry
+        raise self.retry(countdown=EXPORT_WINDOW_S)
+    return said
 
 
 @app.task(name=SWEEP_TASK, bind=True, max_retries=None)  # retries are counted in SQL (Sweep.attempts)
@@ -301,7 +308,7 @@ def reconcile() -> str:
     for sweep_id in found.sweeps:
         request_sweep(app, sweep_id)
     if found.no_worker:
-        request_export(app)
+        request_export(app, found.no_worker)
     summary = found.summary()
     logger.info("reconciler: %s", summary)
     return summary

@@ -106,7 +106,9 @@ class Job(RuntimeIdentity, Base):
     result: Mapped[Result | None] = relationship(back_populates="job", uselist=False)
 
     __table_args__ = (
-        sa.Index("ix_jobs_compiler_version", "compiler_version"),
+        # One export file's runs (compiler version, library, library version), newest first, and every other
+        # read of a compiler version's rows (tests/test_query_plans.py checks the plans that use it).
+        sa.Index("ix_jobs_export_key", "compiler_version", "library", "library_version", "id"),
         # What /metrics reads at every scrape (bench/metrics_scrape.py measures them at 1 M rows): stage
         # durations of jobs past their accelerator stage, redeliveries and re-sends.
         sa.Index(

@@ -8,9 +8,13 @@ and one that finds a dead owner's lease takes the job over.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
+import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
 from redis.exceptions import RedisError
@@ -28,6 +32,15 @@ from shared.settings import Settings, get_settings
 
 # How a broker that is down or unreachable shows itself to a producer.
 BROKER_ERRORS = (OperationalError, RedisError, OSError)
+
+# Results finishing within this long of each other share one export run (and one Hub commit).
+EXPORT_WINDOW_S = 1.0
+PENDING_EXPORTS_KEY = "supportmatrix:export:pending"  # ids of finished jobs whose files are not yet exported
+EXPORT_SCHEDULED_KEY = "supportmatrix:export:scheduled"  # an export task is on its way
+# A flag whose task never ran (lost with a broker) stops holding back new requests after this long.
+EXPORT_SCHEDULED_TTL_S = 60
+EXPORT_LOCK_KEY = "supportmatrix:export:lock"
+EXPORT_LOCK_TTL_S = 30.0  # kept alive while the export runs; a dead collector's lock lapses after this
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -80,8 +93,73 @@ def revoke_job(producer: Celery, job_id: int) -> None:
     producer.control.revoke(celery_task_id(job_id))
 
 
-def request_export(producer: Celery) -> None:
-    producer.send_task(EXPORT_TASK, queue=CONTROL_QUEUE)
+@lru_cache
+def _redis(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url)  # one connection pool per process and URL
+
+
+def request_export(producer: Celery, job_ids: Collection[int]) -> None:
+    """Ask the collector to export the files of these finished jobs. Requests within ``EXPORT_WINDOW_S`` of
+    each other share one export: each adds its jobs to a set in the broker's Redis, and only the one that
+    finds no export scheduled sends the task, delayed by the window, so that the others join it."""
+    client = _redis(producer.conf.broker_url)
+    with client.pipeline() as step:  # MULTI/EXEC: the jobs are in the set before the flag is looked at
+        if job_ids:
+            step.sadd(PENDING_EXPORTS_KEY, *job_ids)
+        step.set(EXPORT_SCHEDULED_KEY, 1, nx=True, ex=EXPORT_SCHEDULED_TTL_S)
+        *_, scheduled = step.execute()
+    if not scheduled:
+        return
+    try:
+        producer.send_task(EXPORT_TASK, queue=CONTROL_QUEUE, countdown=EXPORT_WINDOW_S)
+    except BROKER_ERRORS:
+        client.delete(EXPORT_SCHEDULED_KEY)  # the next request sends it; the jobs wait in the set
+        raise
+
+
+class PendingExports:
+    """The collector's side of ``request_export``. Under ``exclusive()`` (one export at a time, so that an
+    older read of SQL never replaces a newer file), ``take()`` lowers the flag *before* reading the set: a
+    request that comes after the read finds no flag and schedules the next export. The jobs leave the set
+    only when their export is done (``done``), so an export that fails or dies loses none of them."""
+
+    def __init__(self, broker_url: str) -> None:
+        self.client = _redis(broker_url)
+
+    @contextmanager
+    def exclusive(self, wait: bool) -> Iterator[bool]:
+        """Hold the export lock (True), or yield False at once when another export holds it and not ``wait``.
+        A thread keeps the lock alive while the export runs; if this process dies, it lapses within the TTL."""
+        lock = self.client.lock(EXPORT_LOCK_KEY, timeout=EXPORT_LOCK_TTL_S, thread_local=False)
+        if not lock.acquire(blocking=wait):
+            yield False
+            return
+        stop = threading.Event()
+
+        def keep_alive() -> None:
+            while not stop.wait(EXPORT_LOCK_TTL_S / 3):
+                lock.reacquire()
+
+        keeper = threading.Thread(target=keep_alive, name="export-lock", daemon=True)
+        keeper.start()
+        try:
+            yield True
+        finally:
+            stop.set()
+            keeper.join()
+            lock.release()
+
+    def take(self) -> set[int]:
+        """The jobs waiting for an export; lowers the flag first (see the class)."""
+        with self.client.pipeline() as step:
+            step.delete(EXPORT_SCHEDULED_KEY)
+            step.smembers(PENDING_EXPORTS_KEY)
+            _, members = step.execute()
+        return {int(member) for member in members}
+
+    def done(self, job_ids: Collection[int]) -> None:
+        if job_ids:
+            self.client.srem(PENDING_EXPORTS_KEY, *job_ids)
 
 
 def request_sweep(producer: Celery, sweep_id: int) -> None:

@@ -4,20 +4,54 @@ One file per (compiler version, library, library version) under ``<export dir>/d
 per (model, task) for that combination: its newest run, with the cell's status as ``result``. A file is
 replaced atomically (temp + rename) and only when its rows changed, so readers never see half a file and
 unchanged files keep their mtime.
+
+Two ways to get there. ``export_results`` rebuilds every file from SQL. ``export_jobs`` — what the collector
+runs after results arrive — rewrites only the files of the given jobs' keys, and in each only the rows of
+the cells those jobs belong to: it reads those cells' runs from SQL and keeps every other row of the file as
+it is, so its cost does not grow with the results table. Results nobody asked an export for (a job refused at
+submission, one ended as lost) are found by their id: ``.exported`` beside the files holds the highest result
+id the files cover, and each export also takes every result above it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from shared.db.models import Job, Result, UTCDateTime
 from shared.results.cells import cell_status
-from shared.results.records import ResultRecord, query_results, to_table
+from shared.results.records import COLUMNS, RECORD_SOURCES, RESULT_SCHEMA, SCHEMA_VERSION, table_from_rows
+
+EXPORTED_MARKER = ".exported"  # the highest result id the files cover
+# A file with more changed cells than this is rebuilt from SQL instead of patched cell by cell.
+PATCH_AT_MOST = 1000
+# Ids per IN (...) list: well below SQLite's bound on parameters.
+IDS_PER_QUERY = 500
+
+Cell = tuple[str, str]  # (model id, task)
+SORT_ORDER = [("model_id", "ascending"), ("task", "ascending")]
+
+
+class ExportKey(NamedTuple):
+    """What one file holds: the runs of one compiler version, library and library version."""
+
+    compiler_version: str
+    library: str
+    library_version: str
+
+    @property
+    def file_name(self) -> str:
+        return file_name(*self)
 
 
 @dataclass
@@ -34,37 +68,169 @@ def file_name(compiler_version: str, library: str, library_version: str) -> str:
     return f"{safe(compiler_version)}--{safe(library)}-{safe(library_version)}.parquet"
 
 
-def latest_per_cell(records: list[ResultRecord]) -> dict[str, list[ResultRecord]]:
-    """Group newest-first records by file; one row per (model, task): the newest run, whose ``result``
-    is the cell's status over all runs of that commit (FLAKY when they disagree)."""
-    files: dict[str, dict[tuple[str, str], list[ResultRecord]]] = {}
-    for rec in records:
-        name = file_name(rec.neuronx_cc, rec.library, rec.library_version)
-        files.setdefault(name, {}).setdefault((rec.model_id, rec.task), []).append(rec)
-    out = {}
-    for name, groups in files.items():
-        rows = []
-        for runs in groups.values():
-            newest = runs[0]
-            verdicts = [r.result for r in runs if r.revision == newest.revision]
-            rows.append(newest.model_copy(update={"result": cell_status(verdicts)}))
-        out[name] = sorted(rows, key=lambda r: (r.model_id, r.task))
-    return out
+def _as_stored(column: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
+    """The column as the database keeps it, without a Python conversion per value: enums stay their values, UTC
+    times skip the conversion into aware datetimes (Arrow reads a naive time as UTC), JSON stays text (Arrow
+    parses it in bulk). Those conversions, per value, doubled the cost of reading the rows."""
+    if isinstance(column.type, sa.Enum):
+        return sa.type_coerce(column, sa.String())
+    if isinstance(column.type, UTCDateTime):
+        return sa.type_coerce(column, UTCDateTime.impl)
+    if isinstance(column.type, sa.JSON):
+        return sa.cast(column, sa.Text())
+    return column
+
+
+# The record's columns as the export reads them: the API's expressions (``RECORD_SOURCES``), as stored.
+RECORD_COLUMNS = [_as_stored(expression).label(name) for name, expression in RECORD_SOURCES.items()]
+RECORD_WIDTH, RESULT_COLUMN = len(COLUMNS), COLUMNS.index("result")
+
+
+def _key_filter(key: ExportKey) -> sa.ColumnElement[bool]:
+    return sa.and_(
+        Job.compiler_version == key.compiler_version,
+        Job.library == key.library,
+        Job.library_version == key.library_version,
+    )
+
+
+def key_cells(session: Session, key: ExportKey, models: Collection[str] | None = None) -> list[sa.Row[Any]]:
+    """One row per cell (model, task) of the key, of all its models or of ``models``: the record of the cell's
+    newest run, then the least and the greatest verdict among the runs of that run's commit (``cell_status``
+    makes the cell's status of them). SQL picks the newest runs from narrow rows, so that only those are read
+    whole; through the Core connection, as the ORM's row loading would double the cost of a large key."""
+    runs = sa.select(Job.id, Job.model_id, Job.task, Job.sha, Result.verdict).join(Result, Result.job_id == Job.id)
+    runs = runs.where(_key_filter(key))
+    connection = session.connection()
+    if models is None:
+        return list(connection.execute(_newest_runs(runs)).all())
+    listed = sorted(models)
+    batches = (
+        runs.where(Job.model_id.in_(listed[i : i + IDS_PER_QUERY])) for i in range(0, len(listed), IDS_PER_QUERY)
+    )
+    return [cell for batch in batches for cell in connection.execute(_newest_runs(batch)).all()]
+
+
+def _newest_runs(of: sa.Select[Any]) -> sa.Select[Any]:
+    runs = of.subquery()
+    cell = (runs.c.model_id, runs.c.task)
+    verdict = sa.type_coerce(runs.c.verdict, sa.String())
+    ranked = sa.select(
+        runs.c.id,
+        sa.func.row_number().over(partition_by=cell, order_by=runs.c.id.desc()).label("newer"),
+        sa.func.min(verdict).over(partition_by=(*cell, runs.c.sha)).label("least"),
+        sa.func.max(verdict).over(partition_by=(*cell, runs.c.sha)).label("greatest"),
+    ).subquery()
+    stmt = sa.select(*RECORD_COLUMNS, ranked.c.least, ranked.c.greatest).join(Job, Result.job_id == Job.id)
+    return stmt.join(ranked, ranked.c.id == Job.id).where(ranked.c.newer == 1)
+
+
+def _table(cells: Sequence[sa.Row[Any]]) -> pa.Table:
+    """The file's table from ``key_cells`` rows, sorted by model and task."""
+    table = table_from_rows([cell[:RECORD_WIDTH] for cell in cells])
+    statuses = pa.array([cell_status(cell[RECORD_WIDTH:]) for cell in cells], pa.string())
+    return table.set_column(RESULT_COLUMN, "result", statuses).sort_by(SORT_ORDER)
+
+
+def _current(path: Path) -> pa.Table | None:
+    """The file's rows when it can be patched: written with this schema (and schema version)."""
+    if not path.exists():
+        return None
+    table = pq.read_table(path)
+    if not table.schema.equals(RESULT_SCHEMA) or not pc.all(pc.equal(table["schema_version"], SCHEMA_VERSION)).as_py():
+        return None
+    return table
+
+
+def _patched(current: pa.Table, fresh: pa.Table, cells: Collection[Cell]) -> pa.Table:
+    """``current`` with the rows of ``cells`` replaced by ``fresh`` (a cell left with no runs goes away)."""
+    models, tasks = current["model_id"].to_pylist(), current["task"].to_pylist()
+    kept = pa.array([(model, task) not in cells for model, task in zip(models, tasks, strict=True)], pa.bool_())
+    return pa.concat_tables([current.filter(kept), fresh]).sort_by(SORT_ORDER)
+
+
+def _write(path: Path, table: pa.Table, current: pa.Table | None, summary: ExportSummary) -> None:
+    """Replace the file with ``table`` when its rows changed. No rows leaves the file alone, as the full export
+    always has for a key without results."""
+    if table.num_rows == 0:
+        return
+    if current is not None and current.equals(table):
+        summary.unchanged.append(path)
+        return
+    # A leading dot keeps the temp file out of pd.read_parquet(data_dir) while it is written.
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    summary.written.append(path)
+
+
+def _last_result_id(session: Session) -> int:
+    return session.scalar(sa.select(sa.func.max(Result.id))) or 0
+
+
+def _covered(export_dir: Path) -> int | None:
+    marker = export_dir / EXPORTED_MARKER
+    return int(marker.read_text()) if marker.exists() else None
+
+
+def _mark_covered(export_dir: Path, result_id: int) -> None:
+    tmp = export_dir / f"{EXPORTED_MARKER}.{os.getpid()}.tmp"
+    tmp.write_text(str(result_id))
+    os.replace(tmp, export_dir / EXPORTED_MARKER)
+
+
+def _data_dir(export_dir: Path) -> Path:
+    data_dir = export_dir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return data_dir
+
+
+def export_keys(session: Session) -> list[ExportKey]:
+    """Every key with results: one file each."""
+    keys = sa.select(Job.compiler_version, Job.library, Job.library_version).join(Result, Result.job_id == Job.id)
+    return sorted(ExportKey(*row) for row in session.execute(keys.distinct()))
 
 
 def export_results(session: Session, export_dir: Path) -> ExportSummary:
-    data_dir = export_dir / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    summary = ExportSummary(data_dir=data_dir)
-    for name, rows in sorted(latest_per_cell(query_results(session)).items()):
-        path = data_dir / name
-        table = to_table(rows)
-        if path.exists() and pq.read_table(path).equals(table, check_metadata=False):
-            summary.unchanged.append(path)
-            continue
-        # A leading dot keeps the temp file out of pd.read_parquet(data_dir) while it is written.
-        tmp = data_dir / f".{name}.{os.getpid()}.tmp"
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-        summary.written.append(path)
+    """Rebuild every file from SQL."""
+    summary = ExportSummary(data_dir=_data_dir(export_dir))
+    covered = _last_result_id(session)  # before the rows: a result after it is taken again next time
+    for key in export_keys(session):
+        path = summary.data_dir / key.file_name
+        _write(path, _table(key_cells(session, key)), _current(path), summary)
+    _mark_covered(export_dir, covered)
+    return summary
+
+
+def export_jobs(session: Session, export_dir: Path, job_ids: Collection[int]) -> ExportSummary:
+    """Bring the files up to date after ``job_ids`` finished: the cells of those jobs and of every result
+    past ``.exported`` (the full export when there is none yet)."""
+    covered = _covered(export_dir)
+    if covered is None:
+        return export_results(session, export_dir)
+    summary = ExportSummary(data_dir=_data_dir(export_dir))
+    upto = _last_result_id(session)
+    cells = sa.select(Job.compiler_version, Job.library, Job.library_version, Job.model_id, Job.task)
+    cells = cells.join(Result, Result.job_id == Job.id)
+    ids = sorted(job_ids)
+    touched: dict[ExportKey, set[Cell]] = {}
+    # Both, because neither is enough: a result committed after a later-numbered one was exported has an id
+    # below the mark; a result nobody asked for is only found by its id.
+    for where in [
+        Result.id > covered,
+        *(Job.id.in_(ids[i : i + IDS_PER_QUERY]) for i in range(0, len(ids), IDS_PER_QUERY)),
+    ]:
+        for compiler_version, library, library_version, model_id, task in session.execute(cells.where(where)):
+            touched.setdefault(ExportKey(compiler_version, library, library_version), set()).add((model_id, task))
+    for key, changed in sorted(touched.items()):
+        path = summary.data_dir / key.file_name
+        current = _current(path)
+        if current is not None and len(changed) <= PATCH_AT_MOST:
+            read = key_cells(session, key, {model for model, _ in changed})  # a model's other tasks too
+            fresh = _table([cell for cell in read if (cell.model_id, cell.task) in changed])
+            table = _patched(current, fresh, changed)
+        else:  # a new file, one of another schema, or too many changes to patch
+            table = _table(key_cells(session, key))
+        _write(path, table, current, summary)
+    _mark_covered(export_dir, upto)
     return summary

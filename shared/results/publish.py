@@ -1,4 +1,4 @@
-"""Pushing the export to a Hub dataset repo: the Parquet files and a dataset card, one commit per change.
+"""Pushing the export to a Hub dataset repo: the Parquet files and a dataset card, one commit per export run.
 
 The card's YAML lists one config per file (compiler version x library version), so the Hub's viewer and
 `datasets.load_dataset(repo, config)` read each on its own; every row carries `schema_version`. The Hub
@@ -59,8 +59,10 @@ class PushOutcome:
     files: int
 
 
-def publish(export_dir: Path, repo_id: str, token: str | None) -> PushOutcome:
-    """Push ``<export_dir>/data/*.parquet`` and README.md to ``repo_id`` when they changed since the last push."""
+def publish(export_dir: Path, repo_id: str, token: str | None, endpoint: str | None = None) -> PushOutcome:
+    """Push ``<export_dir>/data/*.parquet`` and README.md to ``repo_id`` when they changed since the last push,
+    in one commit: the collector calls it once per export run, so a window of results makes one commit.
+    ``endpoint``: another Hub than HF_ENDPOINT's (which huggingface_hub reads once, at import)."""
     data_files = sorted((export_dir / "data").glob("*.parquet"))
     card = export_dir / "README.md"
     card.write_text(dataset_card(data_files))
@@ -68,7 +70,7 @@ def publish(export_dir: Path, repo_id: str, token: str | None) -> PushOutcome:
     current = fingerprint([*data_files, card])
     if marker.exists() and marker.read_text() == current:
         return PushOutcome(pushed=False, commit=None, files=len(data_files))
-    api = HfApi(token=token)
+    api = HfApi(endpoint=endpoint, token=token)
     api.create_repo(repo_id, repo_type="dataset", exist_ok=True)
     info = api.upload_folder(
         repo_id=repo_id,

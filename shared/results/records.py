@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Union, get_args, get_origin
 
 import pyarrow as pa
+import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 import sqlalchemy as sa
 from pydantic import BaseModel, Field
@@ -145,14 +146,47 @@ RESULT_SCHEMA = pa.schema([(name, column_type(field)) for name, field in ResultR
 COLUMNS = RESULT_SCHEMA.names
 
 
-def record(result: Result, job: Job) -> ResultRecord:
-    return ResultRecord(
-        **{name: getattr(job, attribute) for name, attribute in FROM_JOB.items()},
-        **{name: getattr(result, column) for name, column in RENAMED_RESULT_COLUMNS.items()},
-        **{name: getattr(result, name) for name in SAME_NAMED_RESULT_COLUMNS},
-        schema_version=SCHEMA_VERSION,
-        finished_at=job.finished_at or result.created_at,
-    )
+def _record_sources() -> dict[str, sa.ColumnElement[Any]]:
+    """Each record field as the SQL expression it is read from, in ``COLUMNS`` order."""
+    source: dict[str, sa.ColumnElement[Any]] = {
+        **{name: getattr(Job, attribute) for name, attribute in FROM_JOB.items()},
+        **{name: getattr(Result, column) for name, column in RENAMED_RESULT_COLUMNS.items()},
+        **{name: getattr(Result, name) for name in SAME_NAMED_RESULT_COLUMNS},
+        "schema_version": sa.literal(SCHEMA_VERSION),
+        "finished_at": sa.func.coalesce(Job.finished_at, Result.created_at),
+    }
+    return {name: source[name] for name in COLUMNS}
+
+
+RECORD_SOURCES = _record_sources()
+# Records are read as plain rows of these columns: building a Job and a Result object per row (the ORM's
+# identity map, its instrumented attributes) cost more than the query itself (bench/api_scale.py).
+RECORD_SELECT = (
+    sa.select(*(expression.label(name) for name, expression in RECORD_SOURCES.items()))
+    .select_from(Result)
+    .join(Job, Result.job_id == Job.id)
+)
+
+
+def _filters(
+    model_id: str | None,
+    compiler: str | None,
+    library: str | None,
+    library_version: str | None,
+    verdict: Verdict | None,
+) -> list[sa.ColumnElement[bool]]:
+    wanted: list[tuple[Any, Any]] = [
+        (Job.model_id, model_id),
+        (Job.compiler_version, compiler),
+        (Job.library, library),
+        (Job.library_version, library_version),
+        (Result.verdict, verdict),
+    ]
+    return [column == value for column, value in wanted if value is not None]
+
+
+def _records(session: Session, stmt: sa.Select[Any]) -> list[ResultRecord]:
+    return [ResultRecord.model_validate(dict(zip(COLUMNS, row, strict=True))) for row in session.execute(stmt)]
 
 
 def query_results(
@@ -169,30 +203,61 @@ def query_results(
 ) -> list[ResultRecord]:
     """Newest first, ``before_id`` the cursor (the last job id of the previous page); or, when ``job_ids`` is
     given, those jobs' rows in that order (all of them: ``limit`` and ``before_id`` page the newest-first order)."""
-    stmt = sa.select(Result, Job).join(Job, Result.job_id == Job.id).order_by(Job.id.desc())
-    if model_id is not None:
-        stmt = stmt.where(Job.model_id == model_id)
-    if compiler is not None:
-        stmt = stmt.where(Job.compiler_version == compiler)
-    if library is not None:
-        stmt = stmt.where(Job.library == library)
-    if library_version is not None:
-        stmt = stmt.where(Job.library_version == library_version)
-    if verdict is not None:
-        stmt = stmt.where(Result.verdict == verdict)
+    stmt = RECORD_SELECT.where(*_filters(model_id, compiler, library, library_version, verdict))
     if before_id is not None:
         stmt = stmt.where(Job.id < before_id)
     if job_ids is not None:
         order = {job_id: i for i, job_id in enumerate(job_ids)}
-        rows = [record(r, j) for r, j in session.execute(stmt.where(Job.id.in_(job_ids))).all()]
+        rows = _records(session, stmt.where(Job.id.in_(job_ids)))
         return sorted(rows, key=lambda r: order[r.job_id])
+    stmt = stmt.order_by(Job.id.desc())
     if limit is not None:
         stmt = stmt.limit(limit)
-    return [record(r, j) for r, j in session.execute(stmt).all()]
+    return _records(session, stmt)
+
+
+def with_results(
+    session: Session,
+    job_ids: Sequence[int],
+    *,
+    model_id: str | None = None,
+    compiler: str | None = None,
+    library: str | None = None,
+    library_version: str | None = None,
+    verdict: Verdict | None = None,
+) -> list[int]:
+    """Those of ``job_ids`` whose result passes the filters, in the given order: what a ranked list pages over,
+    found without reading the rows (a page then reads only its own)."""
+    found = set(
+        session.scalars(
+            sa.select(Job.id)
+            .join(Result, Result.job_id == Job.id)
+            .where(Job.id.in_(job_ids), *_filters(model_id, compiler, library, library_version, verdict))
+        )
+    )
+    return [job_id for job_id in job_ids if job_id in found]
+
+
+def table_from_rows(rows: Sequence[Sequence[Any]]) -> pa.Table:
+    """Rows of values in ``COLUMNS`` order as a table of ``RESULT_SCHEMA``, one Arrow array per column, with no
+    record or dict per row: the export builds its files this way straight from SQL rows (enums as their
+    values, datetimes naive UTC or aware, lists as Python lists or as the JSON text SQL keeps them in)."""
+    columns = list(zip(*rows, strict=True)) or [()] * len(COLUMNS)
+    arrays = [_column(values, field.type) for values, field in zip(columns, RESULT_SCHEMA, strict=True)]
+    return pa.Table.from_arrays(arrays, schema=RESULT_SCHEMA)
+
+
+def _column(values: Sequence[Any], arrow: pa.DataType) -> pa.Array:
+    if pa.types.is_list(arrow) and any(isinstance(value, str) for value in values):
+        # JSON text: parsed in one pass by Arrow's JSON reader, a few times faster than json.loads per value.
+        lines = b"\n".join(b'{"v":%s}' % (b"null" if v is None else v.encode()) for v in values)
+        only = pa.schema([("v", arrow)])
+        return pa_json.read_json(io.BytesIO(lines), parse_options=pa_json.ParseOptions(explicit_schema=only))["v"]
+    return pa.array(values, type=arrow)
 
 
 def to_table(records: Sequence[ResultRecord]) -> pa.Table:
-    return pa.Table.from_pylist([r.model_dump() for r in records], schema=RESULT_SCHEMA)
+    return table_from_rows([[getattr(r, name) for name in COLUMNS] for r in records])
 
 
 def to_parquet_bytes(records: Sequence[ResultRecord]) -> bytes:

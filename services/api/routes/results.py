@@ -11,7 +11,7 @@ from services.api.schemas import CompilerVersion, Cursor, ModelId, ResultPage, e
 from shared.enums import Task, Verdict
 from shared.jobs.sweeps import view_job_ids
 from shared.results.cells import Axis, CellDiff, diff
-from shared.results.records import query_results, to_csv, to_parquet_bytes
+from shared.results.records import query_results, to_csv, to_parquet_bytes, with_results
 
 router = APIRouter(prefix="/results", tags=["results"])
 
@@ -64,10 +64,11 @@ def list_results(
         next_cursor = str(rows[-1].job_id) if len(rows) == limit else None
     else:
         # A view pages in its rank order: the cursor is the position (1-based) of the next page's first row among
-        # the view's rows that pass the filters. A view is one sweep's list, so it is read whole.
-        ranked = query_results(session, **filters, job_ids=view_job_ids(session, view, task.value if task else None))
+        # the view's rows that pass the filters. The positions come from the job ids alone; only the page's rows
+        # are read.
+        ranked = with_results(session, view_job_ids(session, view, task.value if task else None), **filters)
         start = (cursor or 1) - 1
-        rows = ranked[start : start + limit]
+        rows = query_results(session, job_ids=ranked[start : start + limit])
         next_cursor = str(start + limit + 1) if start + limit < len(ranked) else None
     headers = {NEXT_CURSOR_HEADER: next_cursor} if next_cursor else {}
     if format == "csv":

@@ -1,0 +1,462 @@
+"""P5 — the API over 1 M result rows in PostgreSQL, each route beside a plain endpoint served the same way.
+
+    .venv/bin/python -m bench --only api_scale [--no-write]
+
+In a scratch schema (dropped at the end) it migrates to head and generates a year of history server-side
+(``testing.bulk_rows``: 1 M finished jobs of 50 000 models over 8 compiler versions, each round's sweep with its
+ranked views, 3 000 unfinished jobs, 256 live workers), then VACUUM ANALYZEs as autovacuum would. It starts the
+real API under uvicorn (one process, as docker-compose runs it) against that schema, a Hub stand-in that serves
+one model (config and safetensors metadata only) and a Redis db of its own, and adds two routes to the app: the
+plain endpoint, which returns a constant (GET and POST), and the floor of a database read (its session and
+``SELECT 1``). Every request goes over HTTP on a keep-alive connection;
+each measured request is followed by one to the plain endpoint, so that both see the same machine at the same
+moment (this machine's CPUs are shared), and the ratio compares their p99s:
+
+- ``GET /results?model_id=…``: a different model each time (20 runs each);
+- a view's first page (``view=trending&task=text-generation&limit=100``) and its next page (its cursor);
+- ``GET /metrics``: the whole scrape;
+- ``POST /jobs`` of a model that already has its job: requests/s over ``CONNECTIONS`` connections at once,
+  beside the plain POST's requests/s measured the same way. The token's rate limit is lifted for the run (its
+  default, 60 a minute, would answer 429 after the first second).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import psycopg
+import redis
+import sqlalchemy as sa
+from fastapi import FastAPI
+from sqlalchemy.orm import Session
+
+from bench.metrics_scrape import measure as family_costs
+from bench.metrics_scrape import timed
+from bench.report import Goal, Measure, Section
+from services.api.deps import SessionDep
+from services.api.metrics import StateCollector
+from shared.auth.scopes import Scope
+from shared.auth.tokens import authenticate, create_token
+from shared.db.engine import make_engine
+from shared.db.migrate import upgrade
+from shared.db.models import Job
+from shared.hub.client import ResolvedModel
+from shared.jobs import rules
+from shared.processes import free_port, output_tail
+from shared.settings import Settings
+from testing.bulk_rows import CORES_PER_HOST, HOSTS, TABLES, History, populate
+from testing.hub_standin import HubStandin
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = 1_000_000
+POSTGRES = os.environ.get("SUPPORTMATRIX_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+ADMIN = POSTGRES.replace("postgresql+psycopg", "postgresql")
+REDIS = os.environ.get("SUPPORTMATRIX_TEST_REDIS", "redis://127.0.0.1:6379")
+CONSTANT_PATH = "/bench/constant"
+SESSION_PATH = "/bench/session"
+CONSTANT = {"status": "ok"}
+KNOWN_MODEL = "Qwen/Qwen3-0.6B"
+# Qwen3-0.6B's config.json, and its safetensors metadata as the Hub reports it: sized without any weights.
+KNOWN_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "torch_dtype": "bfloat16",
+}
+KNOWN_SAFETENSORS = {"parameters": {"BF16": 751_632_384}, "total": 751_632_384}
+P99_GOAL = Goal(on="ratio", at_most=2.0)
+RATE_GOAL = Goal(on="ratio", at_least=0.5)  # ours ≥ half the plain endpoint's requests/s: at most twice its cost
+SAMPLES = {"model": 600, "view": 300, "metrics": 15}
+CONNECTIONS = 8
+POST_SECONDS = 8.0
+
+
+def served_app() -> FastAPI:
+    """The API as ``services.api.main`` builds it, plus the plain endpoint and the floor of a route that reads the
+    database (its session, one ``SELECT 1``): same process, middleware and server."""
+    from services.api.main import create_app
+
+    app = create_app()
+
+    @app.get(CONSTANT_PATH, include_in_schema=False)
+    def constant() -> dict[str, str]:
+        return CONSTANT
+
+    @app.get(SESSION_PATH, include_in_schema=False)
+    def session_floor(session: SessionDep) -> dict[str, str]:
+        session.execute(sa.text("SELECT 1"))
+        return CONSTANT
+
+    @app.post(CONSTANT_PATH, include_in_schema=False)
+    def constant_post(body: dict[str, Any]) -> dict[str, str]:
+        return CONSTANT
+
+    return app
+
+
+# --- what runs: the database, the Hub, Redis, the API ------------------------------------------------------
+
+
+def schema_url(schema: str) -> str:
+    return f"{POSTGRES}?options=-csearch_path%3D{schema}"
+
+
+@contextlib.contextmanager
+def scratch_schema() -> Iterator[str]:
+    """A PostgreSQL schema of this run, migrated to head; yields its name and drops it after."""
+    schema = f"bench_api_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(ADMIN, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    try:
+        upgrade(schema_url(schema))
+        yield schema
+    finally:
+        with psycopg.connect(ADMIN, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+def fill(schema: str, rows: int) -> tuple[History, float]:
+    """The history (``testing.bulk_rows``), vacuumed and analysed; and the seconds it took."""
+    started = time.perf_counter()
+    with psycopg.connect(ADMIN, autocommit=True, options=f"-csearch_path={schema}") as conn:
+        with conn.transaction():
+            history = populate(conn, rows)
+        conn.execute(f"VACUUM ANALYZE {', '.join(TABLES)}")
+    return history, time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def redis_db() -> Iterator[str]:
+    """A Redis db number nobody uses (claimed with SET NX, as the suite claims its own), flushed after."""
+    for db in range(15, 0, -1):
+        client = redis.Redis.from_url(f"{REDIS}/{db}")
+        if client.dbsize() == 0 and client.set("supportmatrix:bench-claim", str(os.getpid()), nx=True):
+            try:
+                yield f"{REDIS}/{db}"
+            finally:
+                client.flushdb()
+            return
+    raise RuntimeError("no free Redis db number in 1..15")
+
+
+@contextlib.contextmanager
+def hub_serving_known_model(work: Path) -> Iterator[str]:
+    repo = work / "hub" / KNOWN_MODEL.split("/")[1]
+    repo.mkdir(parents=True)
+    (repo / "config.json").write_text(json.dumps(KNOWN_CONFIG))
+    with HubStandin() as hub:
+        hub.add(KNOWN_MODEL, repo, pipeline_tag="text-generation", safetensors=KNOWN_SAFETENSORS)
+        yield hub.url
+
+
+@contextlib.contextmanager
+def api_server(work: Path, database_url: str, redis_url: str, hub_url: str) -> Iterator[int]:
+    """``uvicorn bench.api_scale:served_app`` on a free port; yields the port."""
+    port = free_port()
+    log = work / "api.log"
+    env = {
+        **os.environ,
+        "SUPPORTMATRIX_DATABASE_URL": database_url,
+        "SUPPORTMATRIX_REDIS_URL": redis_url,
+        "SUPPORTMATRIX_DATA_DIR": str(work / "data"),
+        "SUPPORTMATRIX_API_RATE_LIMIT": str(10**9),
+        "SUPPORTMATRIX_WORKER_STALE_S": "86400",  # the generated workers' heartbeats are as old as the run
+        "HF_ENDPOINT": hub_url,
+        "HF_HOME": str(work / "hf-home"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HUB_DISABLE_XET": "1",
+    }
+    command = [sys.executable, "-m", "uvicorn", "bench.api_scale:served_app", "--factory", "--host", "127.0.0.1",
+               "--port", str(port)]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while Client(port).get(CONSTANT_PATH)[0] != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the API did not start:\n{output_tail(log)}")
+            time.sleep(0.2)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+# --- the client ----------------------------------------------------------------------------------------------
+
+
+class Client:
+    """One keep-alive HTTP/1.1 connection (the standard library's: it costs the client little per request)."""
+
+    def __init__(self, port: int, token: str | None = None) -> None:
+        self.port = port
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.conn: http.client.HTTPConnection | None = None
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, bytes, dict[str, str]]:
+        headers = dict(self.headers)
+        payload = None
+        if body is not None:
+            payload = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        for attempt in (1, 2):  # a connection the server closed between requests is opened again, once
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+            try:
+                self.conn.request(method, path, payload, headers)
+                response = self.conn.getresponse()
+                return response.status, response.read(), dict(response.getheaders())
+            except (ConnectionError, http.client.HTTPException):
+                self.conn.close()
+                self.conn = None
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def get(self, path: str) -> tuple[int, bytes, dict[str, str]]:
+        try:
+            return self.request("GET", path)
+        except (ConnectionError, http.client.HTTPException):
+            return 0, b"", {}
+
+
+@dataclass
+class Latencies:
+    ours: list[float]
+    plain: list[float]
+    kilobytes: float  # of the measured route's answer
+
+    @staticmethod
+    def p(samples: list[float], q: int) -> float:
+        return statistics.quantiles(samples, n=100, method="inclusive")[q - 1] * 1000
+
+    def ratio(self, q: int) -> float:
+        return self.p(self.ours, q) / self.p(self.plain, q)
+
+    def measures(self, what: str, note: str = "", goal: Goal | None = P99_GOAL) -> list[Measure]:
+        return [
+            Measure(measure=f"{what} p50", unit="ms", ours=self.p(self.ours, 50), baseline=self.p(self.plain, 50),
+                    baseline_name="plain endpoint p50"),
+            Measure(measure=f"{what} p99", unit="ms", ours=self.p(self.ours, 99), baseline=self.p(self.plain, 99),
+                    baseline_name="plain endpoint p99", goal=goal, note=note),
+        ]  # fmt: skip
+
+
+def interleaved(client: Client, paths: Callable[[int], str], samples: int, warm: int = 3) -> Latencies:
+    """Each request to ``paths(i)`` followed by one to the plain endpoint, timed alike; ``warm`` pairs first."""
+    out = Latencies([], [], 0.0)
+    for i in range(-warm, samples):
+        for path, into in ((paths(i % samples), out.ours), (CONSTANT_PATH, out.plain)):
+            started = time.perf_counter()
+            status, body, _ = client.request("GET", path)
+            elapsed = time.perf_counter() - started
+            if status != 200:
+                raise RuntimeError(f"GET {path}: {status} {body[:300]!r}")
+            if i >= 0:
+                into.append(elapsed)
+            if into is out.ours:
+                out.kilobytes = len(body) / 1000
+    return out
+
+
+def requests_per_second(port: int, token: str, path: str, body: Any, seconds: float) -> tuple[float, dict[int, int]]:
+    """``CONNECTIONS`` clients POSTing ``body`` back to back for ``seconds``: answers per second, and their codes."""
+    statuses: dict[int, int] = {}
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+
+    def hammer() -> None:
+        client = Client(port, token)
+        while time.monotonic() < deadline:
+            status = client.request("POST", path, body)[0]
+            with lock:
+                statuses[status] = statuses.get(status, 0) + 1
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=hammer) for _ in range(CONNECTIONS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(statuses.values()) / (time.monotonic() - started), statuses
+
+
+# --- the run ---------------------------------------------------------------------------------------------------
+
+
+def token_for(engine: sa.Engine) -> str:
+    with Session(engine) as session, session.begin():
+        return create_token(session, "bench-api-scale", Scope.submit)
+
+
+def submission_costs(engine: sa.Engine, token: str, job_id: int) -> dict[str, float]:
+    """What a POST /jobs of the known model spends in its database steps, each timed alone in this process (median
+    ms): the token's check with the commit of its last use, the runtimes planned from the live workers, and the
+    lookup that finds the job."""
+    settings = Settings(worker_stale_s=86400)
+    with Session(engine) as session:
+        job = session.get_one(Job, job_id)
+        model = ResolvedModel(model_id=job.model_id, sha=job.sha, gated=job.gated, pipeline_tag=job.task)
+        runtime, task, cores = job.runtime(), job.task, job.cores
+
+    def token_check() -> None:
+        with Session(engine) as session:
+            authenticate(session, token)
+            session.commit()
+
+    def runtimes() -> None:
+        with Session(engine) as session:
+            rules.plan_runtimes(session, settings, None)
+
+    def lookup() -> None:
+        with Session(engine) as session:
+            rules.submit(session, model, None, [runtime], task=task, cores=cores)
+
+    steps = {"token check + commit": token_check, "runtimes of the live workers": runtimes, "job lookup": lookup}
+    return {name: timed(step, repeat=30) * 1000 for name, step in steps.items()}
+
+
+def scrape_costs(engine: sa.Engine) -> dict[str, float]:
+    """Each /metrics family's SQL, timed in this process (ms, bench/metrics_scrape.py's measure)."""
+    settings = Settings(worker_stale_s=86400)
+    sessions = lambda: Session(engine)  # noqa: E731
+    return {
+        name: s * 1000 for name, s in family_costs(StateCollector(settings, sessions), sessions, settings, 1).items()
+    }
+
+
+def run(work: Path, rows: int = ROWS) -> Section:
+    with scratch_schema() as schema:
+        history, fill_s = fill(schema, rows)
+        engine = make_engine(schema_url(schema))
+        try:
+            token = token_for(engine)
+            with (
+                redis_db() as redis_url,
+                hub_serving_known_model(work) as hub_url,
+                api_server(work, schema_url(schema), redis_url, hub_url) as port,
+            ):
+                return measure(engine, port, token, history, fill_s)
+        finally:
+            engine.dispose()
+
+
+def measure(engine: sa.Engine, port: int, token: str, history: History, fill_s: float) -> Section:
+    client = Client(port)
+    floor = interleaved(client, lambda i: SESSION_PATH, SAMPLES["model"])
+    step = history.models // SAMPLES["model"]
+    by_model = interleaved(client, lambda i: "/results?" + urlencode({"model_id": history.model_id(1 + i * step)}),
+                           SAMPLES["model"])  # fmt: skip
+
+    first_page = "/results?" + urlencode({"view": "trending", "task": "text-generation", "limit": 100})
+    status, body, _ = client.request("GET", first_page)
+    first = json.loads(body)
+    cursor = first["next_cursor"]
+    if status != 200 or len(first["items"]) != 100 or cursor is None:
+        raise RuntimeError(f"the view's first page: {status}, {len(first.get('items', []))} rows, cursor {cursor}")
+    next_page = f"{first_page}&cursor={cursor}"
+    view_first = interleaved(client, lambda i: first_page, SAMPLES["view"])
+    view_next = interleaved(client, lambda i: next_page, SAMPLES["view"])
+    metrics = interleaved(client, lambda i: "/metrics", SAMPLES["metrics"], warm=1)
+    families = scrape_costs(engine)
+
+    submission = {"model_id": KNOWN_MODEL}
+    status, body, _ = Client(port, token).request("POST", "/jobs", submission)  # the first one creates the jobs
+    if status != 202:
+        raise RuntimeError(f"the first POST /jobs: {status} {body[:300]!r}")
+    created = [job["id"] for job in json.loads(body)["jobs"]]
+    posts, post_codes = requests_per_second(port, token, "/jobs", submission, POST_SECONDS)
+    plain_posts, plain_codes = requests_per_second(port, token, CONSTANT_PATH, submission, POST_SECONDS)
+    if set(post_codes) != {200}:
+        raise RuntimeError(f"POST /jobs of a known model answered {post_codes}, not only 200 (found)")
+    steps = submission_costs(engine, token, created[0])
+
+    def read_note(latencies: Latencies, rows: str) -> str:
+        return (
+            f"{latencies.ratio(99):.1f}x the plain p99 (goal 2x): a database read's floor here is "
+            f"{floor.p(floor.ours, 50):.1f} ms p50 / {floor.p(floor.ours, 99):.1f} ms p99 (session, pool pre-ping, "
+            f"one query, rollback), then {rows} and {latencies.kilobytes:.0f} kB of JSON; the SQL is indexed "
+            "(tests/test_query_plans.py)"
+        )
+
+    slowest = sorted(((v, k) for k, v in families.items() if k != "whole scrape"), reverse=True)[:3]
+    measures = [
+        *floor.measures("GET of a route reading its session (SELECT 1): the floor", goal=None),
+        *by_model.measures("GET /results?model_id= (20 runs)", read_note(by_model, "the model's 20 records")),
+        *view_first.measures("GET /results?view= first page (100 rows)", read_note(view_first, "100 records")),
+        *view_next.measures("GET /results?view= next page (cursor)", read_note(view_next, "100 records")),
+        *metrics.measures(
+            "GET /metrics (whole scrape)",
+            f"{metrics.ratio(99):.0f}x the plain p99: each scrape aggregates every row in SQL, slowest "
+            + ", ".join(f"{name} {ms:.0f} ms" for ms, name in slowest)
+            + "; only a cached or incrementally kept scrape (services/api/metrics.py) can come near a constant",
+        ),
+        Measure(measure=f"POST /jobs, known model ({CONNECTIONS} connections)", unit="req/s", ours=posts,
+                baseline=plain_posts, baseline_name="plain POST", goal=RATE_GOAL,
+                note=f"{posts / plain_posts:.2f}x the plain POST's rate (goal ≥ 0.5x): per request, "
+                + ", ".join(f"{name} {ms:.1f} ms" for name, ms in steps.items())
+                + " (medians, timed alone): see the details"),
+    ]  # fmt: skip
+    family_rows = "\n".join(f"| {name} | {ms:,.0f} |" for name, ms in families.items())
+    details = (
+        f"""{history.rows:,} finished jobs with their results ({history.models:,} models, {history.rounds} rounds
+over {len(set(map(history.compiler, range(history.rounds))))} compiler versions) and {history.active:,} unfinished
+ones, generated and analysed in {fill_s:.0f} s (`testing.bulk_rows`). The API runs under uvicorn, one process, with
+one more route for the baseline (`{CONSTANT_PATH}`: a constant) and one for the floor of a database read
+(`{SESSION_PATH}`: its session and `SELECT 1`). Samples: {SAMPLES["model"]} model lookups (a different model each),
+{SAMPLES["view"]} of each view page, {SAMPLES["metrics"]} scrapes (their p99 is close to their maximum), each followed
+by a request to the plain endpoint on the same keep-alive connection; POST /jobs: {POST_SECONDS:.0f} s each,
+{CONNECTIONS} connections. The first POST created job(s) {created}; the {sum(post_codes.values()):,} measured ones
+each answered 200 with the existing job (found, nothing enqueued); the plain POST answered {plain_codes}.
+
+What the reads cost beyond the plain endpoint: the floor above (its p50 is the session's cost; its p99, like every
+p99 here, is mostly this 2-CPU machine's other work, which the interleaving spreads over both sides alike), then
+the page's records. Their SQL is prepared and indexed (PostgreSQL executes a model's in about a millisecond); the
+records are read as plain rows rather than ORM objects (`shared.results.records.RECORD_SELECT`), and a view's page
+reads only its own 100 jobs, its positions coming from the view's job ids alone (`with_results`).
+
+POST /jobs of a model that has its job, per request: the bearer token is looked up and its last use committed
+(a WAL flush on every request), the runtimes are planned from every live worker's row ({HOSTS * CORES_PER_HOST}
+workers here, each loaded as an ORM object and validated as a `RuntimeInfo`: `shared.jobs.rules.served_runtimes`),
+the Hub's answer comes from the API's cache, and the identity lookup finds the job; the submission runs in the Hub
+pool's threads. Timed alone in this process (median ms):
+
+| step | ms |
+|---|---:|
+"""
+        + "\n".join(f"| {name} | {ms:.1f} |" for name, ms in steps.items())
+        + f"""
+
+Those two first steps are where the rate goes; neither is in this part's files (`shared/auth/tokens.py`,
+`shared/jobs/rules.py`): a `SELECT DISTINCT` of the live workers' runtime columns, and a last-use stamp written at
+most once a minute per token, would each remove most of theirs.
+
+/metrics: each family's SQL over the {history.rows:,} rows, timed in this process (ms; `bench/metrics_scrape.py`):
+
+| family | ms |
+|---|---:|
+{family_rows}
+"""
+    )
+    return Section(name="api_scale", title="P5 — the API over 1 M result rows", measures=measures, details=details)
