@@ -40,6 +40,7 @@ class SimJob:
     accelerator_s: float  # on the cores: load, compile, generate
     verdict_s: float  # on the host's CPUs, after the cores are given back
     submitted_s: float = 0.0
+    parameters: int = 0
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 from bench.fleet import SimJob, SimResult, Timings, median_seconds_per_size, one_at_a_time, simulate
 from bench.report import Goal, Measure, Section
 from shared.hub.sizing import GIB, ModelShape, shape_from_config, size_model
+from shared.jobs.sweeps import expected_work
 
 DATA = Path(__file__).resolve().parent / "data" / "hub_models.csv"
 CORES_PER_HOST = 64
@@ -54,28 +55,34 @@ def job(row: dict[str, str]) -> SimJob | None:
     compile_s = 60 + 90 * per_core_b + 3 * model.layers
     generate = 2 + 32 * (0.010 + 0.004 * per_core_b)
     verdict = model.parameters * 2 / 2e9 + 32 * 2 * model.parameters / 200e9
-    return SimJob(row["model_id"], sizing.cores, load + compile_s + generate, verdict)
+    return SimJob(row["model_id"], sizing.cores, load + compile_s + generate, verdict, parameters=model.parameters)
 
 
 def sweep_jobs(path: Path = DATA) -> tuple[list[SimJob], int]:
-    """The sweep's jobs in the file's order, and how many models fit no group (SKIPPED)."""
+    """The sweep's jobs in rank order (the file's), and how many models fit no group (SKIPPED)."""
     with path.open() as f:
         rows = list(csv.DictReader(f))
     jobs = [j for j in map(job, rows) if j is not None]
     return jobs, len(rows) - len(jobs)
 
 
-def strategies(jobs: list[SimJob], hosts: int) -> dict[str, SimResult]:
+def enqueue_order(jobs: list[SimJob]) -> list[SimJob]:
+    """The order a sweep enqueues them: ``shared.jobs.sweeps.longest_first``'s key, stable over rank order."""
+    return sorted(jobs, key=lambda j: expected_work(j.parameters, j.cores), reverse=True)
+
+
+def strategies(ranked: list[SimJob], hosts: int) -> dict[str, SimResult]:
     timings = Timings()
+    jobs = enqueue_order(ranked)
     return {
         "one model at a time": one_at_a_time(jobs, hosts, CORES_PER_HOST),
         "fixed: all 1-core": simulate(jobs, hosts, CORES_PER_HOST, timings, layout=[1] * CORES_PER_HOST),
         "fixed: 8 x 8": simulate(jobs, hosts, CORES_PER_HOST, timings, layout=[8] * 8),
         "ours, no durations": simulate(jobs, hosts, CORES_PER_HOST, timings),
         "ours": simulate(jobs, hosts, CORES_PER_HOST, timings, seconds_per_job=median_seconds_per_size(jobs)),
-        # what-if: the sweep submitted longest job first (it submits in rank order; nothing orders it by duration)
-        "ours, longest submitted first": simulate(
-            sorted(jobs, key=lambda j: -j.accelerator_s),
+        # what-if: the sweep enqueued in rank order (the file's), as it did before it ordered by expected work
+        "ours, rank order": simulate(
+            ranked,
             hosts,
             CORES_PER_HOST,
             timings,
@@ -111,13 +118,13 @@ def run(work: Path) -> Section:
         long_jobs = [j for j in jobs if j.accelerator_s + j.verdict_s > bound / 2]
         why = ""
         if ours.makespan_s / bound > GOAL:
+            long_jobs = [j for j in jobs if j.accelerator_s + j.verdict_s > bound / 2]
             why = (
-                f"; misses by {ours.makespan_s / bound - GOAL:.2f}: each size's queue runs in submission (rank) "
-                f"order, and {len(long_jobs)} jobs last more than half the bound ({bound / 2 / 60:.0f} min) and "
-                f"need {sum(j.cores for j in long_jobs)} of the {hosts * CORES_PER_HOST} cores, so all must start in "
-                "its first half; ours starts some late. Submitting longest first would give "
-                f"{results['ours, longest submitted first'].makespan_s / bound:.2f}x (not built: a job row does not "
-                "carry its expected duration at submission)"
+                f"; misses by {ours.makespan_s / bound - GOAL:.2f}: {len(long_jobs)} jobs last more than half the "
+                f"bound ({bound / 2 / 60:.0f} min) and need {sum(j.cores for j in long_jobs)} of the "
+                f"{hosts * CORES_PER_HOST} cores, so all must start in its first half, while each size's queue is "
+                "FIFO and its groups are planned per host from median durations; enqueued in rank order instead "
+                f"of longest first: {results['ours, rank order'].makespan_s / bound:.2f}x"
             )
         measures.append(
             Measure(

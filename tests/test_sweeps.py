@@ -89,6 +89,8 @@ def test_a_sweep_enqueues_what_people_use_once_per_compiler_version(
     session: Session, settings: Settings, sweep_repos: Path
 ) -> None:
     queued = sweep_once(session, settings, slot="slot-1")
+    # enqueued longest first (each size's queue is FIFO): the MiniLM's 22 M parameters before the tiny checkpoints
+    assert [s.job.model_id for s in queued[:2]] == ["sweep/minilm", "sweep/minilm"]
     models = sorted({s.job.model_id for s in queued})
     assert models == ["sweep/hot-llama", "sweep/minilm", "sweep/pinned-gpt2", "sweep/popular-qwen"]
     for model in models:

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from shared.db.models import Job, Result, Sweep, SweepEntry, utcnow
 from shared.enums import JobState, SweepState, Task, Verdict
-from shared.hub.client import ModelNotFound, RevisionNotFound, list_top
+from shared.hub.client import HubError, ModelNotFound, RevisionNotFound, list_top, resolve_model
 from shared.jobs import rules as jobs
 from shared.jobs.submission import Request, submit_model
 from shared.results.cells import CellStatus, cells
@@ -89,7 +89,28 @@ def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.S
     to_enqueue += rerun_flipped_cells(session, settings, sweep)
     sweep.state = SweepState.done
     sweep.finished_at = utcnow()
-    return to_enqueue
+    return longest_first(to_enqueue)
+
+
+def expected_work(parameters: int, cores: int) -> float:
+    """What a job's accelerator stage grows with: the parameters each core loads and compiles a graph for."""
+    return parameters / max(cores, 1)
+
+
+def longest_first(submitted: list[jobs.Submitted]) -> list[jobs.Submitted]:
+    """A sweep's jobs in the order to enqueue them: the longest expected first (longest processing time
+    first). Each group size's queue is FIFO, so a long job enqueued late would start late and end the sweep
+    alone (bench/makespan.py measures it). The parameter counts come from the Hub answers submission just
+    cached; a model without them goes last."""
+
+    def work(s: jobs.Submitted) -> float:
+        try:
+            model = resolve_model(s.job.model_id, s.job.revision)
+        except HubError:
+            return 0.0
+        return expected_work(sum(model.parameters.values()), s.job.cores)
+
+    return sorted(submitted, key=work, reverse=True)  # stable: equal work keeps the rank order
 
 
 def add_entries(
