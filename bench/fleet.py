@@ -170,6 +170,7 @@ class FleetSimulation:
         host.plan_pending = False
         queues = {size: self.queues.get(job_queue(BACKEND, COMPILER, size)) for size in CORE_SIZES}
         queued = {size: len(q) for size, q in queues.items() if q}
+        waited = {size: self.now - q[0].submitted_s for size, q in queues.items() if q}  # FIFO: the head is oldest
         backlog = {size: share(n, len(self.hosts), host.index) for size, n in queued.items()}
         for worker in [*host.workers.values(), *host.draining.values()]:
             if worker.job is not None:
@@ -181,6 +182,7 @@ class FleetSimulation:
             workers=frozenset(host.workers),
             busy=frozenset(g for g, w in host.workers.items() if w.job is not None),
             draining=frozenset(host.draining),
+            waited=waited,
         )
         plan = planner.plan_host(state)
         for group in plan.drain:

@@ -39,11 +39,12 @@ def test_large_jobs_are_not_starved_by_many_small_ones() -> None:
     assert sizes(groups) == {16: 1, 4: 3, 1: 36}  # the larger (longer) jobs first; the small ones get the rest
 
 
-def test_cores_follow_the_share_of_queued_work() -> None:
-    groups = plan_layout(HOST, {2: 100, 8: 100})  # 200 vs 800 core-units of work
+def test_the_longer_size_takes_the_host_until_the_other_has_waited() -> None:
+    groups = plan_layout(HOST, {2: 100, 8: 100})  # no durations: the larger size counts as the longer
     check_layout(groups)
-    counts = sizes(groups)
-    assert counts[8] * 8 > counts[2] * 2 and counts[2] >= 1
+    assert sizes(groups) == {8: 8}
+    # the 2-core jobs waited past the patience: one group first, then the 8-core groups, then the rest
+    assert sizes(plan_layout(HOST, {2: 100, 8: 100}, waited={2: 31.0})) == {8: 7, 2: 4}
 
 
 def test_no_more_groups_of_a_size_than_it_has_jobs() -> None:
@@ -66,8 +67,6 @@ def test_random_backlogs_always_give_a_valid_layout(seed: int) -> None:
     groups = plan_layout(HOST, backlog, seconds)
     check_layout(groups)
     for size, jobs in backlog.items():
-        if jobs and not sizes(groups).get(size):  # only larger sizes' groups keep a size out
-            assert sum(g.size for g in groups if g.size > size) > HOST - size
         assert sizes(groups).get(size, 0) <= jobs + (2 if size == 1 else 0)  # two spare 1-core groups at most
     if sum(g.size for g in groups) < HOST:  # cores left free: no job is waiting for a group that fits in them
         free = HOST - sum(g.size for g in groups)
@@ -78,10 +77,20 @@ def test_long_large_jobs_open_several_groups_at_once() -> None:
     """Three 4-core jobs of 100 s and a 1-core job of 10 s on 16 cores: all three 4-core jobs start now (they
     are the critical path: 100 s in all), not one after the other beside the short one (300 s)."""
     assert sizes(plan_layout(16, {4: 3, 1: 1}, {4: 100.0, 1: 10.0})) == {4: 3, 1: 3}  # one busy, two spare
-    # when the 1-core jobs are the long ones, they are the critical path: one 4-core group, the rest 1-core
-    assert sizes(plan_layout(8, {4: 2, 1: 6}, {4: 10.0, 1: 100.0})) == {4: 1, 1: 4}
-    # the share of the work decides when nothing is known of durations: 8 core-units of 4-core work, 6 of 1-core
-    assert sizes(plan_layout(8, {4: 2, 1: 6})) == {4: 1, 1: 4}
+    # when the 1-core jobs are the long ones, they are the critical path: they take the host first
+    assert sizes(plan_layout(8, {4: 2, 1: 6}, {4: 10.0, 1: 100.0})) == {1: 8}  # six busy, two spare
+    # without durations the largest size counts as the longest
+    assert sizes(plan_layout(8, {4: 2, 1: 6})) == {4: 2}
+
+
+def test_a_size_that_waited_longer_than_the_longest_job_gets_a_group_first() -> None:
+    """No size waits more than about one job's duration: past it (and past 30 s while durations are unknown)
+    the 1-core jobs get a group before the longer 4-core jobs take the host."""
+    assert sizes(plan_layout(8, {4: 2, 1: 6}, waited={1: 29.0})) == {4: 2}
+    assert sizes(plan_layout(8, {4: 2, 1: 6}, waited={1: 31.0})) == {4: 1, 1: 4}
+    durations = {4: 100.0, 1: 10.0}
+    assert sizes(plan_layout(8, {4: 2, 1: 6}, durations, waited={1: 99.0})) == {4: 2}
+    assert sizes(plan_layout(8, {4: 2, 1: 6}, durations, waited={1: 101.0})) == {4: 1, 1: 4}
 
 
 def test_one_core_groups_pack_into_the_fewest_aligned_blocks() -> None:

@@ -23,7 +23,7 @@ def test_changing_the_planner_changes_the_simulated_makespan(monkeypatch: pytest
     ours = fleet.simulate(BURST, hosts=1, cores_per_host=8, seconds_per_job=fleet.median_seconds_per_size(BURST))
 
     # a planner that gives the whole host to the largest size with work, then to the next
-    def largest_only(total: int, backlog: dict[int, int], seconds: object = None, spare: int = 0) -> dict[int, int]:
+    def largest_only(total: int, backlog: dict[int, int], *_: object) -> dict[int, int]:
         size = max(backlog, default=1)
         return {size: total // size}
 

@@ -27,7 +27,7 @@ from services.worker.__main__ import describe_runtime
 from services.worker.planner import HostPlan, HostState, plan_host
 from shared.cores import CoreGroup
 from shared.db.engine import new_session
-from shared.db.models import Job, Worker
+from shared.db.models import Job, Worker, utcnow
 from shared.enums import JobState
 from shared.jobs.rules import LeaseOwner, live_since
 from shared.settings import Settings, get_settings
@@ -49,13 +49,15 @@ class HostBacklog:
     hosts: int  # live hosts sharing the queued jobs
     busy: frozenset[CoreGroup]  # this host's groups running a job
     seconds_per_job: dict[int, float] = field(default_factory=dict)
+    waited: dict[int, float] = field(default_factory=dict)  # per size: the oldest queued job's wait, seconds
 
     def __str__(self) -> str:
         seconds = {size: round(s, 1) for size, s in sorted(self.seconds_per_job.items(), reverse=True)}
         return (
             f"backlog {dict(sorted(self.jobs.items(), reverse=True))} (queued on all {self.hosts} host(s): "
             f"{dict(sorted(self.queued.items(), reverse=True))}; busy: {' '.join(map(str, sorted(self.busy))) or '-'}"
-            f"; seconds per job: {seconds or 'unknown'})"
+            f"; seconds per job: {seconds or 'unknown'}; oldest waiting: "
+            f"{ {size: round(s) for size, s in sorted(self.waited.items(), reverse=True)} })"
         )
 
 
@@ -66,13 +68,12 @@ def share(queued: int, hosts: int, index: int) -> int:
 
 def read_backlog(settings: Settings) -> HostBacklog:
     with new_session() as session:
-        queued = dict(
-            session.execute(
-                sa.select(Job.cores, sa.func.count())
-                .where(Job.backend == settings.backend, Job.state == JobState.queued)
-                .group_by(Job.cores)
-            ).all()
-        )
+        queued_rows = session.execute(
+            sa.select(Job.cores, sa.func.count(), sa.func.min(Job.created_at))
+            .where(Job.backend == settings.backend, Job.state == JobState.queued)
+            .group_by(Job.cores)
+        ).all()
+        now = utcnow()
         owners = session.execute(
             sa.select(Job.cores, Job.lease_owner).where(Job.backend == settings.backend, Job.state == JobState.running)
         ).all()
@@ -90,9 +91,11 @@ def read_backlog(settings: Settings) -> HostBacklog:
             .order_by(Job.id.desc())
             .limit(RECENT_JOBS)
         ).all()
+    queued = {int(size): int(n) for size, n, _ in queued_rows}
+    waited = {int(size): (now - oldest).total_seconds() for size, _, oldest in queued_rows}
     hosts = sorted(live | {settings.host_name})
     index = hosts.index(settings.host_name)
-    jobs = {int(size): share(int(n), len(hosts), index) for size, n in queued.items()}
+    jobs = {size: share(n, len(hosts), index) for size, n in queued.items()}
     busy = set()
     for size, owner in owners:
         holder = LeaseOwner.parse(owner or "")
@@ -106,10 +109,11 @@ def read_backlog(settings: Settings) -> HostBacklog:
         durations.setdefault(int(size), []).append((judging - started).total_seconds())
     return HostBacklog(
         jobs={size: n for size, n in jobs.items() if n},
-        queued={int(size): int(n) for size, n in queued.items()},
+        queued=queued,
         hosts=len(hosts),
         busy=frozenset(busy),
         seconds_per_job={size: statistics.median(d) for size, d in durations.items()},
+        waited=waited,
     )
 
 
@@ -149,6 +153,7 @@ class HostLauncher:
             workers=frozenset(self.workers),
             busy=backlog.busy & set(self.workers),
             draining=frozenset(self.draining),
+            waited=backlog.waited,
         )
         plan = plan_host(state)
         if plan != self.last_plan:

@@ -3,8 +3,10 @@
 Pure functions, so the launcher, tests and the fleet simulator (bench/makespan.py) share them.
 
 How many groups of each size (`group_counts`), in order:
-1. every size with work gets a group, largest first (a 16-core job is never starved by a stream of
-   1-core jobs), as far as the host's cores allow;
+0. a busy worker keeps its group: its job runs to its end whatever the plan says;
+1. a size whose oldest queued job has waited longer than the longest job takes (``patience``) gets a group
+   first, largest first, as far as the host's cores allow: no size waits more than about one job's
+   duration, so a 16-core job is never starved by a stream of 1-core jobs, nor the reverse;
 2. then, one group at a time, the size whose jobs take longest gets another, as far as the cores allow and
    never more groups of a size than it has jobs (longest processing time first, per size: the long jobs
    are a sweep's critical path, and the short ones fill the cores that free up later). Without durations
@@ -24,6 +26,7 @@ large aligned blocks stay free for large groups. When kept idle workers fragment
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -31,23 +34,27 @@ from shared.cores import CoreGroup
 from shared.hub.sizing import CORE_SIZES
 
 SPARE_GROUPS = 2  # idle 1-core groups a host keeps beyond its backlog (rule 3)
+PATIENCE_FLOOR_S = 30.0  # rule 1's patience while no durations are known
 
 
 def group_counts(
     total_cores: int,
     backlog: Mapping[int, int],
     seconds_per_job: Mapping[int, float] | None = None,
+    waited: Mapping[int, float] | None = None,
     spare: int = SPARE_GROUPS,
+    busy: Mapping[int, int] | None = None,
 ) -> dict[int, int]:
     """Groups per size. ``backlog``: jobs per size that need cores (queued or running); ``seconds_per_job``:
     the expected accelerator-stage seconds per size (unknown sizes count 1 s, so the sizes weigh by
-    core-units)."""
+    size); ``waited``: seconds the oldest queued job of each size has waited; ``busy``: busy groups per size."""
     sizes = sorted((s for s in CORE_SIZES if backlog.get(s, 0) > 0 and s <= total_cores), reverse=True)
     seconds = {s: (seconds_per_job or {}).get(s) or 1.0 for s in sizes}
-    counts = dict.fromkeys(sizes, 0)
-    free = total_cores
+    patience = max([PATIENCE_FLOOR_S, *seconds.values()])
+    counts = {s: (busy or {}).get(s, 0) for s in sizes}  # rule 0
+    free = total_cores - sum(s * n for s, n in counts.items())
     for size in sizes:  # rule 1
-        if size <= free:
+        if counts[size] == 0 and (waited or {}).get(size, 0.0) > patience and size <= free:
             counts[size] = 1
             free -= size
     while True:  # rule 2
@@ -110,6 +117,7 @@ class HostState:
     workers: frozenset[CoreGroup] = frozenset()  # live, not draining
     busy: frozenset[CoreGroup] = frozenset()  # workers running a job now
     draining: frozenset[CoreGroup] = frozenset()  # finishing their job, then exiting
+    waited: Mapping[int, float] = field(default_factory=dict)  # per size: the oldest queued job's wait, seconds
     spare: int = SPARE_GROUPS
 
 
@@ -120,12 +128,12 @@ class HostPlan:
     start: list[CoreGroup]  # new groups whose cores are free now
     waiting: list[CoreGroup]  # new groups whose cores a draining worker still holds
 
-    def changes(self) -> bool:
-        return bool(self.drain or self.start)
-
 
 def plan_host(state: HostState) -> HostPlan:
-    counts = group_counts(state.total_cores, state.backlog, state.seconds_per_job, state.spare)
+    busy_sizes = Counter(g.size for g in state.busy & state.workers)
+    counts = group_counts(
+        state.total_cores, state.backlog, state.seconds_per_job, state.waited, state.spare, busy_sizes
+    )
     # Keep every worker if the layout can; else only the busy ones (idle ones drain at once); else none.
     # Largest groups first (sizes descending) always pack, so the last try never fails.
     busy = sorted(state.busy & state.workers)
@@ -147,10 +155,11 @@ def plan_layout(
     total_cores: int,
     backlog: Mapping[int, int],
     seconds_per_job: Mapping[int, float] | None = None,
+    waited: Mapping[int, float] | None = None,
     spare: int = SPARE_GROUPS,
 ) -> list[CoreGroup]:
     """A fresh layout, with no workers to keep."""
-    return plan_host(HostState(total_cores, backlog, seconds_per_job or {}, spare=spare)).layout
+    return plan_host(HostState(total_cores, backlog, seconds_per_job or {}, waited=waited or {}, spare=spare)).layout
 
 
 def overlaps(group: CoreGroup, others: Iterable[CoreGroup]) -> bool:
