@@ -436,11 +436,12 @@ the page's records. Their SQL is prepared and indexed (PostgreSQL executes a mod
 records are read as plain rows rather than ORM objects (`shared.results.records.RECORD_SELECT`), and a view's page
 reads only its own 100 jobs, its positions coming from the view's job ids alone (`with_results`).
 
-POST /jobs of a model that has its job, per request: the bearer token is looked up and its last use committed
-(a WAL flush on every request), the runtimes are planned from every live worker's row ({HOSTS * CORES_PER_HOST}
-workers here, each loaded as an ORM object and validated as a `RuntimeInfo`: `shared.jobs.rules.served_runtimes`),
-the Hub's answer comes from the API's cache, and the identity lookup finds the job; the submission runs in the Hub
-pool's threads. Timed alone in this process (median ms):
+POST /jobs of a model that has its job, per request: the bearer token is looked up (its last use written at
+most once a minute), the runtimes are read as the distinct runtime columns of the live workers
+({HOSTS * CORES_PER_HOST} workers here: `shared.jobs.rules.served_runtimes`), the Hub's answer comes from the API's
+cache, sizing reads `config.json` through `hf_hub_download`, and the identity lookup finds the job; the submission
+runs in the Hub pool's threads, and a request makes seven or eight thread-pool hops and a Redis rate-limit call on
+this 2-CPU machine that PostgreSQL shares. Timed alone in this process (median ms):
 
 | step | ms |
 |---|---:|

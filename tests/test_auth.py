@@ -3,6 +3,7 @@ limit that Redis keeps for every API process."""
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import subprocess
 import sys
@@ -18,9 +19,9 @@ from fastapi.testclient import TestClient
 from services.api.deps import get_rate_limiter
 from services.api.ratelimit import RateLimiter
 from shared.auth.scopes import Scope
-from shared.auth.tokens import create_token, revoke_token
+from shared.auth.tokens import LAST_USE_RESOLUTION, authenticate, create_token, revoke_token
 from shared.db.engine import new_session, session_scope
-from shared.db.models import ApiToken
+from shared.db.models import ApiToken, utcnow
 from shared.settings import get_settings
 from tests.conftest import ROOT
 
@@ -90,6 +91,25 @@ def test_tokens_are_stored_as_their_hash_and_record_their_last_use(anonymous: Te
     with new_session() as session:
         used = session.scalar(sa.select(ApiToken.last_used_at).where(ApiToken.name == name))
     assert used is not None
+
+
+def test_a_tokens_last_use_is_written_at_most_once_a_minute() -> None:
+    name, token = new_token(Scope.submit)
+
+    def use_after(last_used_at: dt.datetime) -> dt.datetime | None:
+        """The last use stored after a request with the token, when the stored one was ``last_used_at``."""
+        with session_scope() as session:
+            session.execute(sa.update(ApiToken).where(ApiToken.name == name).values(last_used_at=last_used_at))
+        with session_scope() as session:
+            assert authenticate(session, token) is not None
+        with new_session() as session:
+            return session.scalar(sa.select(ApiToken.last_used_at).where(ApiToken.name == name))
+
+    recent = utcnow() - LAST_USE_RESOLUTION / 2
+    assert use_after(recent) == recent  # used within the minute: nothing written
+    stale = utcnow() - LAST_USE_RESOLUTION * 2
+    restamped = use_after(stale)
+    assert restamped is not None and restamped > stale + LAST_USE_RESOLUTION
 
 
 def test_the_token_command_creates_lists_and_revokes(anonymous: TestClient) -> None:

@@ -172,3 +172,18 @@ def test_runtimes_come_from_live_workers_else_the_default(session: Session, sett
     assert [r.compiler_version for r in jobs.plan_runtimes(session, settings, None)] == ["c-1"]
     with pytest.raises(jobs.UnknownCompiler, match="'c-2' is not served"):
         jobs.plan_runtimes(session, settings, ["c-2"])
+
+
+def test_each_compiler_and_library_is_served_by_the_runtime_of_its_first_live_worker(
+    session: Session, settings: Settings
+) -> None:
+    # (name, compiler version, torch version): "b" and "d" share c-1 with "a" but differ in torch.
+    for name, version, torch in [("d", "c-1", "t-3"), ("c", "c-2", "t-1"), ("b", "c-1", "t-2"), ("a", "c-1", "t-1")]:
+        session.add(
+            Worker(name=name, host="h", pid=1, backend="cpu", compiler_name="c", compiler_version=version,
+                   library="transformers", library_version="5", torch_version=torch, cores="0", core_count=1,
+                   queue="q")
+        )  # fmt: skip
+    session.flush()
+    served = jobs.served_runtimes(session, settings)
+    assert [(r.compiler_version, r.torch_version) for r in served] == [("c-1", "t-1"), ("c-2", "t-1")]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from functools import lru_cache
 from typing import Annotated
 
@@ -60,15 +60,18 @@ def get_caller(
     caller = authenticate(session, credentials.credentials)
     if caller is None:
         raise unauthorized("the bearer token is unknown or revoked", invalid=True)
-    session.commit()  # the token's last use, kept whatever the route does next
+    # Keeps the token's last use, when it was stamped, whatever the route does next; otherwise a commit with
+    # nothing written (no WAL flush) that ends the lookup's transaction before the route asks the Hub.
+    session.commit()
     wait_s = limiter.wait_s(caller.key)
     if wait_s:
         raise rate_limited(wait_s, limiter.limit, limiter.window_s)
     return caller
 
 
-def _needs(scope: Scope) -> Callable[[Caller], Caller]:
-    def check(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:
+def _needs(scope: Scope) -> Callable[[Caller], Awaitable[Caller]]:
+    # async: a check that never blocks runs on the event loop, without a hop to the thread pool.
+    async def check(caller: Annotated[Caller, Depends(get_caller)]) -> Caller:
         if not caller.may(scope):
             raise forbidden(scope, "this route")
         return caller

@@ -79,11 +79,28 @@ def live_workers(session: Session, settings: Settings, now: dt.datetime | None =
     return session.scalars(sa.select(Worker).where(Worker.heartbeat_at >= since).order_by(Worker.name)).all()
 
 
+# The columns of a worker that make up its RuntimeInfo.
+RUNTIME_COLUMNS = [getattr(Worker, name) for name in RuntimeInfo.model_fields]
+
+
 def served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
-    """Distinct runtimes of live workers, or the configured default when none is live."""
+    """Distinct runtimes of live workers, or the configured default when none is live.
+
+    A (compiler version, library version) is served by the runtime of its first live worker by name, in that
+    order. Read as the distinct runtime columns (with the first worker name of each), not as worker rows: a
+    fleet has hundreds of workers and a handful of runtimes, and every submission asks.
+    """
+    first_worker = sa.func.min(Worker.name)
+    distinct = (
+        sa.select(first_worker, *RUNTIME_COLUMNS)
+        .where(Worker.heartbeat_at >= live_since(settings))
+        .group_by(*RUNTIME_COLUMNS)
+        .order_by(first_worker)
+    )
     seen: dict[tuple[str, str], RuntimeInfo] = {}
-    for w in live_workers(session, settings):
-        seen.setdefault((w.compiler_version, w.library_version), w.runtime())
+    for _, *columns in session.execute(distinct):
+        runtime = RuntimeInfo(**dict(zip(RuntimeInfo.model_fields, columns, strict=True)))
+        seen.setdefault((runtime.compiler_version, runtime.library_version), runtime)
     if seen:
         return list(seen.values())
     default = default_runtime(settings)
