@@ -123,6 +123,9 @@ class Settings(BaseSettings):
     hub_timeout_s: float = Field(5.0, gt=0)
     hub_info_cache_s: float = Field(300.0, ge=0)
     api_retry_after_s: int = Field(5, ge=1, description="the Retry-After of a 503 (a dependency is down)")
+    # /metrics serves a snapshot of its SQL-derived families, retaken every metrics_refresh_s seconds in each API
+    # process (about a second of queries at 1 M results); 0 reads them at each scrape.
+    metrics_refresh_s: float = Field(10.0, ge=0, description="seconds between /metrics snapshots (0: at each scrape)")
 
     @model_validator(mode="after")
     def _fill_derived_paths(self) -> Settings:

@@ -122,17 +122,28 @@ def seed(session: Any) -> None:
                                rank=rank, job_id=job_id))  # fmt: skip
 
 
-def scrape(sessions: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} of one collection."""
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.parser import text_string_to_metric_families
-
+def state_collector(sessions: Any) -> Any:
+    """The SQL families over ``sessions``, read at T0 with fixed settings."""
     from services.api.metrics import StateCollector
     from shared.settings import Settings
 
+    return StateCollector(Settings(worker_stale_s=60, job_timeout_s=3600), sessions, lambda: T0)
+
+
+def scrape(sessions: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of one collection of the SQL families."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
     registry = CollectorRegistry()
-    registry.register(StateCollector(Settings(worker_stale_s=60, job_timeout_s=3600), sessions, lambda: T0))
-    text = generate_latest(registry).decode()
+    registry.register(state_collector(sessions))
+    return parsed(generate_latest(registry))
+
+
+def parsed(exposition: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = exposition.decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -246,6 +257,106 @@ def test_redeliveries_resent_jobs_and_sweep_progress(seeded: Any) -> None:
     progress = {dict(k)["job_state"]: n for k, n in values(samples, "supportmatrix_sweep_entries").items()}
     assert progress == {"done": 1, "queued": 1, "none": 1}
     assert samples[("supportmatrix_job_timeout_seconds", ())] == 3600
+
+
+@contextmanager
+def counted_statements(sessions: Any) -> Iterator[list[str]]:
+    """The SQL statements run on the seeded database while the block runs."""
+    import sqlalchemy as sa
+
+    with sessions() as session:
+        engine = session.get_bind()
+    statements: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        statements.append(statement)
+
+    sa.event.listen(engine, "before_cursor_execute", count)
+    try:
+        yield statements
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", count)
+
+
+def queued_jobs(samples: dict[Any, float]) -> float:
+    return samples[("supportmatrix_jobs", (("state", "queued"),))]
+
+
+def add_queued_job(sessions: Any) -> None:
+    from shared.db.models import Job
+    from shared.enums import JobState
+
+    with sessions() as session:
+        session.add(Job(model_id="org/late", sha="b" * 40, task="text-generation", compiler_version="v1",
+                        queue="supportmatrix.jobs.cpu.v1.c1", state=JobState.queued, backend="cpu",
+                        compiler_name="inductor", library_version="5.0", torch_version="2.13"))  # fmt: skip
+        session.commit()
+
+
+def test_a_scrape_serves_the_last_snapshot_and_its_age_without_running_sql(seeded: Any) -> None:
+    from services.api.metrics import Snapshot
+
+    now = [100.0]
+    snapshot = Snapshot(state_collector(seeded), every_s=10, clock=lambda: now[0])
+    with counted_statements(seeded) as statements:
+        first = parsed(snapshot.exposition())  # no snapshot yet: the first scrape takes it
+        assert statements and queued_jobs(first) == 2
+        assert first[("supportmatrix_metrics_snapshot_age_seconds", ())] == 0
+        add_queued_job(seeded)
+        now[0] += 7
+        statements.clear()
+        stale = parsed(snapshot.exposition())
+        assert statements == []  # a scrape reads no SQL
+        assert queued_jobs(stale) == 2 and stale[("supportmatrix_metrics_snapshot_age_seconds", ())] == 7
+        assert {k: v for k, v in stale.items() if "snapshot_age" not in k[0]} == {
+            k: v for k, v in first.items() if "snapshot_age" not in k[0]
+        }  # every family served from the snapshot
+        snapshot.refresh()  # what the thread does every SUPPORTMATRIX_METRICS_REFRESH_S
+        assert statements
+        statements.clear()
+        fresh = parsed(snapshot.exposition())
+        assert statements == [] and queued_jobs(fresh) == 3
+        assert fresh[("supportmatrix_metrics_snapshot_age_seconds", ())] == 0
+
+
+def test_refresh_zero_reads_sql_at_each_scrape(seeded: Any) -> None:
+    from services.api.metrics import Snapshot
+
+    snapshot = Snapshot(state_collector(seeded), every_s=0)
+    with counted_statements(seeded) as statements:
+        assert queued_jobs(parsed(snapshot.exposition())) == 2
+        add_queued_job(seeded)
+        statements.clear()
+        now = parsed(snapshot.exposition())
+        assert statements and queued_jobs(now) == 3
+        assert now[("supportmatrix_metrics_snapshot_age_seconds", ())] == 0
+
+
+def test_the_refresher_thread_retakes_the_snapshot_until_stopped(seeded: Any) -> None:
+    from services.api.metrics import Snapshot
+
+    snapshot = Snapshot(state_collector(seeded), every_s=0.05)
+    snapshot.start()
+    try:
+        assert queued_jobs(parsed(snapshot.exposition())) == 2
+        add_queued_job(seeded)
+        deadline = time.monotonic() + 20
+        while queued_jobs(parsed(snapshot.exposition())) != 3:
+            assert time.monotonic() < deadline, "the refresher never picked up the new job"
+            time.sleep(0.05)
+    finally:
+        snapshot.stop()
+    with counted_statements(seeded) as statements:
+        time.sleep(0.2)  # four refresh periods: a stopped refresher runs nothing
+        assert statements == []
+
+
+def test_the_api_serves_its_snapshot_with_the_age_gauge_and_live_http_metrics(api: Any) -> None:
+    first = api.get("/metrics").text
+    assert "supportmatrix_metrics_snapshot_age_seconds " in first
+    assert 'supportmatrix_jobs{state="queued"}' in first
+    second = api.get("/metrics").text  # the HTTP metrics are live: the first scrape is counted in the second
+    assert 'supportmatrix_http_requests_total{method="GET",route="/metrics",status="200"}' in second
 
 
 def test_largest_free_group_is_aligned() -> None:

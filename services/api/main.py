@@ -18,7 +18,7 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.api.errors import unavailable
-from services.api.metrics import StateCollector, instrument
+from services.api.metrics import Snapshot, StateCollector, instrument
 from services.api.routes import failures, health, jobs, pages, results, sweeps, workers
 from shared.hub.client import bound_hub_requests
 from shared.settings import get_settings
@@ -76,9 +76,15 @@ class BodySizeLimit:
 
 
 @asynccontextmanager
-async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     bound_hub_requests(get_settings().hub_timeout_s)
-    yield
+    # Started here, not in create_app: the app is built at import, before a server may fork its workers.
+    snapshot: Snapshot = app.state.metrics_snapshot
+    snapshot.start()
+    try:
+        yield
+    finally:
+        snapshot.stop()
 
 
 def create_app() -> FastAPI:
@@ -123,14 +129,17 @@ def create_app() -> FastAPI:
             exc.headers = {**(exc.headers or {}), "Allow": ", ".join(sorted(allowed))}
         return await http_exception_handler(request, exc)
 
-    registry = CollectorRegistry()
-    registry.register(StateCollector())
-    instrument(app, registry)
+    snapshot = Snapshot(StateCollector(), settings.metrics_refresh_s)
+    app.state.metrics_snapshot = snapshot
+    http_registry = CollectorRegistry()
+    instrument(app, http_registry)
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["health"])
     def metrics() -> Any:
-        """Prometheus exposition: jobs by state, results by verdict and error class, live workers."""
-        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        """Prometheus exposition: jobs by state, results by verdict and error class, live workers (a snapshot at
+        most SUPPORTMATRIX_METRICS_REFRESH_S old: supportmatrix_metrics_snapshot_age_seconds), HTTP requests (live)."""
+        exposition = snapshot.exposition() + generate_latest(http_registry)
+        return PlainTextResponse(exposition, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -1,31 +1,39 @@
-"""Prometheus metrics, computed from SQL at scrape time and labelled with the shared enums; and the API's own
-HTTP metrics.
+"""Prometheus metrics, computed from SQL (a snapshot, retaken every few seconds) and labelled with the shared
+enums; and the API's own HTTP metrics.
 
 Why SQL and not the workers' own registries (prometheus_client's multiprocess mode): workers are short-lived
 processes the host launcher starts and drains on several hosts, their runners are children that die with
 their model, and a multiprocess registry needs a shared directory per host plus the cleanup of dead pids.
 Every fact a dashboard needs is already a row — a job's state, queue, stage timestamps and deliveries, a
-result's verdict, timings and cache outcome, a worker's heartbeat and cores — so the API reads them when
-Prometheus scrapes, and Prometheus scrapes the API only. A counter here is a count of rows that only grow
+result's verdict, timings and cache outcome, a worker's heartbeat and cores — so the API reads them and
+Prometheus scrapes the API only. A counter here is a count of rows that only grow
 (results, deliveries): it is monotonic without any process keeping it.
 
 Each family costs one query (the host family two, both over small sets); ``bench/metrics_scrape.py``
-measures them over 1 M result rows.
+measures them over 1 M result rows: about a second in all, too much for every scrape. So a ``Snapshot``
+reads and renders them in a background thread of the API process every SUPPORTMATRIX_METRICS_REFRESH_S seconds
+and a scrape serves the last rendering, with ``supportmatrix_metrics_snapshot_age_seconds`` saying how old it is
+(0 = collect at each scrape). Each API process (uvicorn worker) keeps its own snapshot: several behind one scrape
+target can serve a row counter one step back from the scrape before (read as a reset), so run one API process per
+target, or 0.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import sqlalchemy as sa
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from sqlalchemy.orm import Session
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -35,6 +43,8 @@ from shared.db.models import Job, QueueSeen, Result, Sweep, SweepEntry, Worker, 
 from shared.enums import JobState, Stage, SweepState, Verdict
 from shared.jobs.rules import LeaseOwner, live_since
 from shared.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
 
 # Seconds; the slowest runner is bounded by SUPPORTMATRIX_JOB_TIMEOUT_S (1 h by default), the buckets go to 2 h.
 DURATION_BUCKETS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 2700.0, 3600.0, 5400.0, 7200.0)
@@ -444,6 +454,80 @@ class StateCollector(Collector):
         for sweep_id, state, n in rows:
             progress.add_metric([str(sweep_id), state.value if state else "none"], n)
         yield progress
+
+
+class Snapshot:
+    """The exposition of ``source`` (the SQL families), rendered when taken and served at each scrape with its age;
+    retaken by a background thread every ``every_s`` seconds (``start``/``stop``). ``every_s`` 0 reads and renders
+    at each scrape instead.
+
+    A scrape never waits for a refresh and renders nothing but the age: it reads the snapshot as a whole (one
+    attribute). Only a scrape that finds none yet (before the first refresh) collects in place. A refresh that
+    fails keeps the old snapshot, whose age then grows: the age gauge is what an alert watches."""
+
+    AGE = "supportmatrix_metrics_snapshot_age_seconds"
+
+    def __init__(self, source: Collector, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._registry = CollectorRegistry()
+        self._registry.register(source)
+        self._every_s = every_s
+        self._clock = clock
+        self._taken: tuple[bytes, float] | None = None
+        self._collecting = threading.Lock()  # one collection at a time: the thread's and a first scrape's
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def refresh(self) -> None:
+        with self._collecting:
+            self._taken = self._rendered()
+
+    def exposition(self) -> bytes:
+        """The SQL families in Prometheus's text format, then the age of their snapshot."""
+        if self._every_s == 0:
+            text, age = generate_latest(self._registry), 0.0  # read by this scrape
+        else:
+            text, taken_at = self._taken or self._first()
+            age = max(0.0, self._clock() - taken_at)
+        return (
+            text
+            + (
+                f"# HELP {self.AGE} Seconds since the SQL-derived families were read "
+                f"(every SUPPORTMATRIX_METRICS_REFRESH_S; 0: at each scrape)\n"
+                f"# TYPE {self.AGE} gauge\n{self.AGE} {floatToGoString(age)}\n"
+            ).encode()
+        )
+
+    def _rendered(self) -> tuple[bytes, float]:
+        return generate_latest(self._registry), self._clock()
+
+    def _first(self) -> tuple[bytes, float]:
+        with self._collecting:  # a scrape before the thread's first refresh: the one that gets here first collects
+            if self._taken is None:
+                self._taken = self._rendered()
+            return self._taken
+
+    def start(self) -> None:
+        """Refresh every ``every_s`` seconds in a daemon thread until ``stop`` (nothing to do when 0)."""
+        if self._every_s == 0 or self._thread is not None:
+            return
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._refresh_until_stopped, name="metrics-snapshot", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._thread.join()
+        self._thread = None
+
+    def _refresh_until_stopped(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.refresh()
+            except Exception:  # the database may be down for a while: keep serving the old snapshot
+                log.exception("metrics snapshot refresh failed; serving the previous one")
+            self._stopping.wait(self._every_s)
 
 
 # --- the API's own HTTP metrics ---------------------------------------------------------------------------
