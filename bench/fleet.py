@@ -47,7 +47,7 @@ class SimJob:
 class Timings:
     worker_start_s: float = 1.0
     worker_exit_s: float = 0.5  # an idle worker's warm shutdown
-    poll_s: float = 0.5  # the launcher notices a change and re-plans
+    poll_s: float = 1.0  # the launcher re-plans once the backlog held still for a poll of 0.5 s
     dispatch_s: float = 0.1  # an idle worker takes a queued job
     verdict_workers: int = 4
 

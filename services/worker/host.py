@@ -3,9 +3,10 @@
 Every ``--poll`` seconds it reads its share of the backlog (SQL: this host's running jobs, plus its share of
 the queued ones split evenly over the live hosts, per group size), the accelerator-stage seconds recent jobs
 took per size, and which of its workers are busy. When any of that changes, or a worker exits — a job
-queued, started or finished — it re-plans (services/worker/planner.py): drains the workers whose group
-left the layout (SIGTERM: Celery's warm shutdown lets a running job finish) and starts workers on new
-groups once their cores are free. Every plan, drain, start and exit is one log line with the backlog
+queued, started or finished — it re-plans (services/worker/planner.py) once the backlog has held still for
+one poll: drains the workers whose group left the layout (SIGTERM: Celery's warm shutdown lets a running
+job finish; a worker still starting is kept until it has started) and starts workers on new groups once
+their cores are free. Every plan, drain, start and exit is one log line with the backlog
 behind it. Beside them it keeps ``SUPPORTMATRIX_VERDICT_WORKERS`` verdict workers on the host's CPUs,
 unpinned: a job's verdict stage runs there after its accelerator stage has given its cores back.
 """
@@ -34,6 +35,10 @@ from shared.settings import Settings, get_settings
 
 ACCELERATOR_WORKER_PREFIX = "cores-"  # an accelerator worker is named cores-<group>
 RECENT_JOBS = 200  # the accelerator-stage durations the expected seconds per size come from
+# A worker is not drained while it starts: one stopped between taking a message from Redis and recording it
+# as unacknowledged loses that message (seen in bench/burst.py: jobs left queued with no message). Until then
+# the planner treats it as busy.
+STARTING_S = 10.0
 
 
 def worker_name(group: CoreGroup) -> str:
@@ -130,8 +135,11 @@ class HostLauncher:
         self.started_at: dict[CoreGroup, float] = {}
         self.verdict_workers: list[subprocess.Popen[bytes]] = []
         self.last_plan: HostPlan | None = None
+        self.last_backlog: dict[int, int] | None = None
 
-    def step(self) -> HostPlan:
+    def step(self) -> HostPlan | None:
+        """One look: None while the backlog is still changing (a burst of submissions arrives over a few polls,
+        and planning on each part would start workers only to drain them), else the plan it applied."""
         self.verdict_workers = [p for p in self.verdict_workers if p.poll() is None]
         for i in range(len(self.verdict_workers), self.settings.verdict_workers):
             log(f"start: verdict worker {i}")
@@ -146,12 +154,15 @@ class HostLauncher:
                 del self.workers[group]
                 log(f"exit: worker on cores {group} ended on its own ({self.lifetime(group, proc)})")
         backlog = read_backlog(self.settings)
+        if backlog.jobs != self.last_backlog:
+            self.last_backlog = backlog.jobs
+            return None
         state = HostState(
             total_cores=self.total_cores,
             backlog=backlog.jobs,
             seconds_per_job=backlog.seconds_per_job,
             workers=frozenset(self.workers),
-            busy=backlog.busy & set(self.workers),
+            busy=(backlog.busy | self.starting()) & set(self.workers),
             draining=frozenset(self.draining),
             waited=backlog.waited,
         )
@@ -170,6 +181,10 @@ class HostLauncher:
         for group in plan.start:
             self.workers[group] = self.spawn(group)
         return plan
+
+    def starting(self) -> frozenset[CoreGroup]:
+        now = time.monotonic()
+        return frozenset(g for g in self.workers if now - self.started_at.get(g, 0.0) < STARTING_S)
 
     def spawn(self, group: CoreGroup) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen([sys.executable, "-m", "services.worker", "--cores", str(group)])
