@@ -148,7 +148,8 @@ def report(
     bound = lower_bound(sim_jobs, HOST_CORES)
     waits = {size: max(t(j, "started_at") - t0 for j in burst if j["cores"] == size) for size in BURST}
     durations = {size: statistics.median(s.accelerator_s for s in sim_jobs if s.cores == size) for size in BURST}
-    simulated = simulate(sim_jobs, 1, HOST_CORES, Timings(verdict_workers=1), seconds_per_job=durations)
+    # as the real launcher ran it: no durations known at first, then the medians of the jobs finished so far
+    simulated = simulate(sim_jobs, 1, HOST_CORES, Timings(verdict_workers=1), learn_durations=True)
     dispatch = [t(jobs[i], "started_at") - t(jobs[i], "created_at") for i in lonely]
 
     def stage_and_work(j: dict[str, Any]) -> tuple[float, float]:

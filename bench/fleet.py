@@ -102,12 +102,16 @@ class FleetSimulation:
         timings: Timings,
         seconds_per_job: dict[int, float] | None = None,
         layout: list[int] | None = None,
+        learn_durations: bool = False,
     ) -> None:
         self.jobs = list(jobs)
         self.cores_per_host = cores_per_host
         self.timings = timings
         self.seconds_per_job = seconds_per_job or {}
         self.layout = layout
+        # as the launcher does: the median accelerator-stage seconds of the jobs finished so far, per size
+        self.learn_durations = learn_durations
+        self.finished_seconds: dict[int, list[float]] = {}
         self.hosts = [_Host(i, verdict_free_at=[0.0] * timings.verdict_workers) for i in range(hosts)]
         self.queues: dict[str, deque[SimJob]] = {}
         self.events: list[tuple[float, int, Callable[[], None]]] = []
@@ -178,7 +182,11 @@ class FleetSimulation:
         state = planner.HostState(
             total_cores=self.cores_per_host,
             backlog={size: n for size, n in backlog.items() if n},
-            seconds_per_job=self.seconds_per_job,
+            seconds_per_job=(
+                {size: statistics.median(d) for size, d in self.finished_seconds.items()}
+                if self.learn_durations
+                else self.seconds_per_job
+            ),
             workers=frozenset(host.workers),
             busy=frozenset(g for g, w in host.workers.items() if w.job is not None),
             draining=frozenset(host.draining),
@@ -216,6 +224,7 @@ class FleetSimulation:
         job = worker.job
         assert job is not None
         worker.job = None
+        self.finished_seconds.setdefault(job.cores, []).append(job.accelerator_s)
         slot = min(range(len(host.verdict_free_at)), key=host.verdict_free_at.__getitem__)
         verdict_start = max(self.now, host.verdict_free_at[slot])
         host.verdict_free_at[slot] = verdict_start + job.verdict_s
@@ -233,8 +242,11 @@ def simulate(
     timings: Timings | None = None,
     seconds_per_job: dict[int, float] | None = None,
     layout: list[int] | None = None,
+    learn_durations: bool = False,
 ) -> SimResult:
-    return FleetSimulation(jobs, hosts, cores_per_host, timings or Timings(), seconds_per_job, layout).run()
+    return FleetSimulation(
+        jobs, hosts, cores_per_host, timings or Timings(), seconds_per_job, layout, learn_durations
+    ).run()
 
 
 def one_at_a_time(jobs: Sequence[SimJob], hosts: int, cores_per_host: int) -> SimResult:
