@@ -128,7 +128,12 @@ class FleetSimulation:
         runnable = [j for j in self.jobs if j.cores <= largest_group]
         for job in runnable:
             self.at(job.submitted_s, lambda job=job: self.submit(job))
-        if self.layout is not None:
+        if self.layout is None:  # hosts idle before the sweep: their spare workers are up at its start
+            for host in self.hosts:
+                self.plan(host)
+                for worker in host.workers.values():
+                    worker.ready_at = 0.0
+        else:
             for host in self.hosts:
                 start = 0
                 for size in sorted(self.layout, reverse=True):
