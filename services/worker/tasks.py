@@ -29,7 +29,14 @@ from shared.db.engine import DB_ERRORS, new_session, session_scope
 from shared.db.models import Job, Sweep, utcnow
 from shared.enums import ErrorClass, Stage, SweepState, Verdict
 from shared.hub.client import HubUnavailable
-from shared.jobs.broker import EXPORT_WINDOW_S, enqueue_job, enqueue_verdict, request_export, request_sweep
+from shared.jobs.broker import (
+    EXPORT_WINDOW_S,
+    PendingExports,
+    enqueue_job,
+    enqueue_verdict,
+    request_export,
+    request_sweep,
+)
 from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
 from shared.jobs.queues import EXPORT_TASK, JUDGE_JOB_TASK, RECONCILE_TASK, RUN_JOB_TASK, SWEEP_TASK, verdict_queue
 from shared.jobs.reconcile import claim_sweep
@@ -244,16 +251,15 @@ def _retire_artifacts(artifacts: Artifacts, keep: bool, settings: Settings) -> N
             shutil.rmtree(kept, ignore_errors=True)
 
 
-@app.task(name=EXPORT_TASK, bind=True, max_retries=None)
-def export(self: Any) -> str:
+# Acknowledged when it starts, and never retried with a countdown: a message held unacknowledged across a lost
+# broker connection crashes the collector (see request_export). Jobs a run could not export stay in the set,
+# and the reconciler asks again (``reconcile`` below).
+@app.task(name=EXPORT_TASK, acks_late=False)
+def export() -> str:
     """Export what the workers asked for since the last run (requests within a window share one run)."""
-    try:
-        said = export_requested()
-    except Exception as exc:  # the database, the disk or the Hub: the jobs stay in the set for the retry
-        raise self.retry(countdown=30, exc=exc) from exc
-    if said is None:  # another export holds the lock; the jobs wait in the set for this retry
-        raise self.retry(countdown=EXPORT_WINDOW_S)
-    return said
+    time.sleep(EXPORT_WINDOW_S)  # the window: requests made meanwhile join this run
+    said = export_requested()
+    return "another export is running; these jobs wait for the next" if said is None else said
 
 
 @app.task(name=SWEEP_TASK, bind=True, max_retries=None)  # retries are counted in SQL (Sweep.attempts)
@@ -307,7 +313,7 @@ def reconcile() -> str:
             enqueue_job(app, resend.job_id, resend.queue)
     for sweep_id in found.sweeps:
         request_sweep(app, sweep_id)
-    if found.no_worker:
+    if found.no_worker or PendingExports(settings.redis_url).waiting():
         request_export(app, found.no_worker)
     summary = found.summary()
     logger.info("reconciler: %s", summary)

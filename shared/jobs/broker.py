@@ -101,7 +101,10 @@ def _redis(url: str) -> redis.Redis:
 def request_export(producer: Celery, job_ids: Collection[int]) -> None:
     """Ask the collector to export the files of these finished jobs. Requests within ``EXPORT_WINDOW_S`` of
     each other share one export: each adds its jobs to a set in the broker's Redis, and only the one that
-    finds no export scheduled sends the task, delayed by the window, so that the others join it."""
+    finds no export scheduled sends the task, which waits out the window before it takes the set, so that
+    the others join it. The task carries no countdown: a delayed message sits unacknowledged in the
+    collector, and kombu's Redis transport crashes the worker when it restores such a message on a lost
+    connection (seen in tests/test_faults.py's Redis restarts: 'Unrecoverable error: AttributeError')."""
     client = _redis(producer.conf.broker_url)
     with client.pipeline() as step:  # MULTI/EXEC: the jobs are in the set before the flag is looked at
         if job_ids:
@@ -111,7 +114,7 @@ def request_export(producer: Celery, job_ids: Collection[int]) -> None:
     if not scheduled:
         return
     try:
-        producer.send_task(EXPORT_TASK, queue=CONTROL_QUEUE, countdown=EXPORT_WINDOW_S)
+        producer.send_task(EXPORT_TASK, queue=CONTROL_QUEUE)
     except BROKER_ERRORS:
         client.delete(EXPORT_SCHEDULED_KEY)  # the next request sends it; the jobs wait in the set
         raise
@@ -160,6 +163,10 @@ class PendingExports:
     def done(self, job_ids: Collection[int]) -> None:
         if job_ids:
             self.client.srem(PENDING_EXPORTS_KEY, *job_ids)
+
+    def waiting(self) -> bool:
+        """Jobs wait for an export (one that failed, or found another running, left them in the set)."""
+        return bool(self.client.scard(PENDING_EXPORTS_KEY))
 
 
 def request_sweep(producer: Celery, sweep_id: int) -> None:
