@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.worker import planner
-from services.worker.host import share
+from services.worker.host import STARTING_S, share
 from shared.cores import CoreGroup
 from shared.hub.sizing import CORE_SIZES
 from shared.jobs.queues import job_queue
@@ -194,6 +194,9 @@ class FleetSimulation:
             ),
             workers=frozenset(host.workers),
             busy=frozenset(g for g, w in host.workers.items() if w.job is not None),
+            starting=frozenset(
+                g for g, w in host.workers.items() if self.now < w.ready_at - self.timings.worker_start_s + STARTING_S
+            ),
             draining=frozenset(host.draining),
             waited=waited,
         )

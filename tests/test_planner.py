@@ -127,3 +127,20 @@ def test_core_groups_parse_print_and_map_to_cpus() -> None:
         CoreGroup.parse("0-2")
     assert cpu_set(CoreGroup(2, 2), cpu_count=2) == {0, 1}  # more cores than CPUs: wrap around
     assert format_cpus({0, 1, 2, 5}) == "0-2,5"
+
+
+def test_a_starting_worker_is_kept_but_counts_as_idle() -> None:
+    """A lonely 1-core job on core 3 beside two spare workers, one of them still starting: the plan is a fixed
+    point (it once counted starting workers busy and added a spare beside each, one more every plan, until
+    every core had a worker). A starting worker the layout leaves out is not drained yet; its cores wait."""
+    workers = frozenset({CoreGroup(0, 1), CoreGroup(2, 1), CoreGroup(3, 1)})
+    state = HostState(
+        total_cores=8, backlog={1: 1}, workers=workers, busy=frozenset({CoreGroup(3, 1)}),
+        starting=frozenset({CoreGroup(0, 1)}),
+    )  # fmt: skip
+    plan = plan_host(state)
+    assert set(plan.layout) == workers and plan.start == plan.drain == plan.waiting == []
+    # on a 2-core host a 2-core job arrives: the idle worker drains, the starting one stays, and the pair waits
+    workers = frozenset({CoreGroup(0, 1), CoreGroup(1, 1)})
+    plan = plan_host(HostState(2, {2: 1}, workers=workers, starting=frozenset({CoreGroup(0, 1)})))
+    assert plan.drain == [CoreGroup(1, 1)] and plan.waiting == [CoreGroup(0, 2)] and plan.start == []

@@ -37,7 +37,7 @@ ACCELERATOR_WORKER_PREFIX = "cores-"  # an accelerator worker is named cores-<gr
 RECENT_JOBS = 200  # the accelerator-stage durations the expected seconds per size come from
 # A worker is not drained while it starts: one stopped between taking a message from Redis and recording it
 # as unacknowledged loses that message (seen in bench/burst.py: jobs left queued with no message). Until then
-# the planner treats it as busy.
+# the planner keeps it (HostState.starting).
 STARTING_S = 10.0
 
 
@@ -162,7 +162,8 @@ class HostLauncher:
             backlog=backlog.jobs,
             seconds_per_job=backlog.seconds_per_job,
             workers=frozenset(self.workers),
-            busy=(backlog.busy | self.starting()) & set(self.workers),
+            busy=backlog.busy & set(self.workers),
+            starting=self.starting(),
             draining=frozenset(self.draining),
             waited=backlog.waited,
         )

@@ -116,6 +116,9 @@ class HostState:
     seconds_per_job: Mapping[int, float] = field(default_factory=dict)
     workers: frozenset[CoreGroup] = frozenset()  # live, not draining
     busy: frozenset[CoreGroup] = frozenset()  # workers running a job now
+    # workers still starting: never drained (one stopped while it takes its first message could lose it), but
+    # idle for the counts — counting them busy would add a spare group beside each, one more every plan
+    starting: frozenset[CoreGroup] = frozenset()
     draining: frozenset[CoreGroup] = frozenset()  # finishing their job, then exiting
     waited: Mapping[int, float] = field(default_factory=dict)  # per size: the oldest queued job's wait, seconds
     spare: int = SPARE_GROUPS
@@ -134,16 +137,20 @@ def plan_host(state: HostState) -> HostPlan:
     counts = group_counts(
         state.total_cores, state.backlog, state.seconds_per_job, state.waited, state.spare, busy_sizes
     )
-    # Keep every worker if the layout can; else only the busy ones (idle ones drain at once); else none.
-    # Largest groups first (sizes descending) always pack, so the last try never fails.
+    # Keep every worker if the layout can; else only the busy and starting ones (idle ones drain at once);
+    # else none. Largest groups first (sizes descending) always pack, so the last try never fails.
     busy = sorted(state.busy & state.workers)
-    for keep in (busy + sorted(state.workers - state.busy), busy, []):
+    starting_idle = (state.starting & state.workers) - state.busy  # a busy one has taken its message: may drain
+    starting = sorted(starting_idle)
+    idle = sorted(state.workers - state.busy - starting_idle)
+    for keep in (busy + starting + idle, busy + starting, []):
         layout = place(state.total_cores, counts, keep)
         if layout is not None:
             break
     assert layout is not None
-    drain = sorted(state.workers - set(layout))
-    held = set(state.draining) | set(drain)  # cores freed only when those workers exit
+    left_out = state.workers - set(layout)
+    drain = sorted(left_out - starting_idle)  # a starting idle worker left out drains at a later plan
+    held = set(state.draining) | left_out  # cores freed only when those workers exit
     start, waiting = [], []
     for group in layout:
         if group not in state.workers:
