@@ -100,6 +100,11 @@ class Settings(BaseSettings):
     # This host's name: its verdict queue (a job's verdict stage runs where its artifacts are) and lease owners.
     host_name: str = Field(default_factory=socket.gethostname)
     verdict_workers: int = Field(1, ge=0, le=64, description="CPU workers of the verdict stage per host")
+    # The host launcher keeps a zygote (shared/zygote.py): runners fork from a process that has imported torch
+    # and transformers once, instead of importing them afresh, twice per stage, while the job's cores wait.
+    zygote: bool = True
+    # Set by the worker in the environment of a runner forked from the zygote: where its own children fork from.
+    runner_zygote: str | None = None
     # A job's artifacts are removed when its row is written, but kept this long after a FAIL, for inspection.
     artifact_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
 

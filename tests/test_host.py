@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from services.worker.host import HostLauncher
@@ -34,10 +36,22 @@ def step_until(launcher: HostLauncher, done: Callable[[], bool], what: str, time
     raise AssertionError(f"host launcher: {what} not reached; workers {set(launcher.workers)}")
 
 
-def test_the_host_replans_when_a_two_core_job_arrives_and_after_it_is_done(api: Any, worker: Any) -> None:
+def test_the_host_replans_when_a_two_core_job_arrives_and_after_it_is_done(
+    api: Any, worker: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
     launcher = HostLauncher(get_settings(), total_cores=2)
+    output = ""
     try:
         step_until(launcher, lambda: registered() == {"0", "1"}, "two 1-core workers")
+        # the host's zygote: runners fork from it once it has imported torch and transformers
+        assert launcher.zygote is not None
+
+        def zygote_ready() -> bool:
+            nonlocal output
+            output += "".join(capfd.readouterr())
+            return "zygote: ready in" in output
+
+        step_until(launcher, zygote_ready, "the zygote")
         # beside the core groups, the host's verdict-stage workers (SUPPORTMATRIX_VERDICT_WORKERS, default 1)
         assert len(launcher.verdict_workers) == 1 and launcher.verdict_workers[0].poll() is None
         [job] = submit(api, "host/tiny-qwen3", cores=2)
@@ -51,6 +65,15 @@ def test_the_host_replans_when_a_two_core_job_arrives_and_after_it_is_done(api: 
     finally:
         launcher.stop()
     assert registered() == set() and all(p.poll() is not None for p in launcher.verdict_workers)
+    assert launcher.zygote.poll() is not None
+    output += "".join(capfd.readouterr())  # the launcher's and zygote's lines, the workers' log
+    # each stage's runner and its children (the job's two ranks, the CPU reference) forked from the zygote
+    forks = re.findall(r"zygote: fork \d+: (services\.runner(?:\.child)?) .*?(--stage \w+|\S+spec\.json)", output)
+    stages = [what for module, what in forks if module == "services.runner"]
+    assert stages[:2] == ["--stage accelerator", "--stage verdict"]
+    children = [what.rsplit("/", 1)[1] for module, what in forks if module == "services.runner.child"]
+    assert children == ["accelerator.rank0.spec.json", "accelerator.rank1.spec.json", "reference.spec.json"]
+    assert re.search(rf"starting runner: job {job['id']}, accelerator stage: .*forked by the zygote", output)
 
 
 def test_a_hosts_runtime_is_described_once_and_kept(tmp_path: Path) -> None:

@@ -8,8 +8,6 @@ killed with it.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import TypeVar
@@ -19,9 +17,12 @@ from pydantic import BaseModel
 from services.runner.failures import RunFailure
 from services.runner.specs import ChildOutcome, ChildSpec, SpecFile
 from shared.enums import ErrorClass
-from shared.processes import describe_exit, die_with_parent, free_port, output_tail
+from shared.processes import describe_exit, free_port, output_tail
+from shared.settings import get_settings
+from shared.zygote import StartedProcess, start_python
 
 POLL_S = 0.2
+CHILD_MODULE = "services.runner.child"
 Result = TypeVar("Result", bound=BaseModel)
 
 
@@ -51,17 +52,12 @@ def run_ranks(
             rank_env |= {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}  # fmt: skip
         log_path = workdir / f"{name}.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "services.runner.child", str(spec_path)],
-                env=rank_env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Same process group as the runner, so killing the runner's group (the worker's hard timeout)
-                # takes every child with it; and a child dies with its runner even when only that is killed.
-                preexec_fn=die_with_parent,
-            )
+        # In the runner's process group, so killing the group (the worker's hard timeout) takes every child with
+        # it; and a child dies with its runner even when only that is killed. Forked from the host's zygote when
+        # the runner was (SUPPORTMATRIX_RUNNER_ZYGOTE), else a fresh interpreter.
+        proc, _ = start_python(
+            CHILD_MODULE, [str(spec_path)], rank_env, log_path, own_group=False, zygote=get_settings().runner_zygote
+        )
         ranks.append((name, proc, rank_spec.out, log_path))
     try:
         _wait_all(ranks, timeout_s, role)
@@ -73,7 +69,7 @@ def run_ranks(
     return [result.model_validate(_outcome(name, proc, out, log).data) for name, proc, out, log in ranks]
 
 
-def _wait_all(ranks: list[tuple[str, subprocess.Popen[bytes], Path, Path]], timeout_s: float, role: str) -> None:
+def _wait_all(ranks: list[tuple[str, StartedProcess, Path, Path]], timeout_s: float, role: str) -> None:
     """Until all ranks exit; the first one that fails (or the deadline) ends the wait for all."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -92,7 +88,7 @@ def _wait_all(ranks: list[tuple[str, subprocess.Popen[bytes], Path, Path]], time
         time.sleep(POLL_S)
 
 
-def _outcome(name: str, proc: subprocess.Popen[bytes], out: Path, log_path: Path) -> ChildOutcome:
+def _outcome(name: str, proc: StartedProcess, out: Path, log_path: Path) -> ChildOutcome:
     if not out.exists():
         tail = output_tail(log_path)
         raise RunFailure(ErrorClass.crash, f"{name} process {describe_exit(proc.wait())}; output:\n{tail}")

@@ -8,7 +8,9 @@ one poll: drains the workers whose group left the layout (SIGTERM: Celery's warm
 job finish; a worker still starting is kept until it has started) and starts workers on new groups once
 their cores are free. Every plan, drain, start and exit is one log line with the backlog
 behind it. Beside them it keeps ``SUPPORTMATRIX_VERDICT_WORKERS`` verdict workers on the host's CPUs,
-unpinned: a job's verdict stage runs there after its accelerator stage has given its cores back.
+unpinned: a job's verdict stage runs there after its accelerator stage has given its cores back; and the
+host's zygote, which forks the workers' runners with torch and transformers already imported
+(``SUPPORTMATRIX_ZYGOTE``, on by default; shared/zygote.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from shared.db.engine import new_session
 from shared.db.models import Job, Worker, utcnow
 from shared.enums import JobState
 from shared.jobs.rules import LeaseOwner, live_since
-from shared.settings import Settings, get_settings
+from shared.settings import Settings, child_environment, get_settings
+from shared.zygote import ZYGOTE_ENVIRONMENT, zygote_address
 
 ACCELERATOR_WORKER_PREFIX = "cores-"  # an accelerator worker is named cores-<group>
 RECENT_JOBS = 200  # the accelerator-stage durations the expected seconds per size come from
@@ -134,12 +137,14 @@ class HostLauncher:
         self.draining: dict[CoreGroup, subprocess.Popen[bytes]] = {}
         self.started_at: dict[CoreGroup, float] = {}
         self.verdict_workers: list[subprocess.Popen[bytes]] = []
+        self.zygote: subprocess.Popen[bytes] | None = None
         self.last_plan: HostPlan | None = None
         self.last_backlog: dict[int, int] | None = None
 
     def step(self) -> HostPlan | None:
         """One look: None while the backlog is still changing (a burst of submissions arrives over a few polls,
         and planning on each part would start workers only to drain them), else the plan it applied."""
+        self.keep_zygote()
         self.verdict_workers = [p for p in self.verdict_workers if p.poll() is None]
         for i in range(len(self.verdict_workers), self.settings.verdict_workers):
             log(f"start: verdict worker {i}")
@@ -183,6 +188,20 @@ class HostLauncher:
             self.workers[group] = self.spawn(group)
         return plan
 
+    def keep_zygote(self) -> None:
+        """Start the host's zygote (shared/zygote.py), and again if it ended: until it is ready, runners start
+        as fresh interpreters."""
+        if not self.settings.zygote or (self.zygote is not None and self.zygote.poll() is None):
+            return
+        if self.zygote is not None:
+            log(f"exit: zygote ended on its own (exit {self.zygote.returncode})")
+        address = zygote_address(self.settings.data_dir, self.settings.host_name)
+        self.zygote = subprocess.Popen(
+            [sys.executable, "-m", "services.runner.zygote", address],
+            env=child_environment(self.settings, ZYGOTE_ENVIRONMENT),
+        )
+        log(f"start: zygote at {address} (pid {self.zygote.pid})")
+
     def starting(self) -> frozenset[CoreGroup]:
         now = time.monotonic()
         return frozenset(g for g in self.workers if now - self.started_at.get(g, 0.0) < STARTING_S)
@@ -198,6 +217,7 @@ class HostLauncher:
 
     def stop(self) -> None:
         procs = list(self.workers.values()) + list(self.draining.values()) + self.verdict_workers
+        procs += [self.zygote] if self.zygote is not None else []  # its children are the workers' runners: they go on
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -1,17 +1,15 @@
 """Running one stage of a job as a runner child: hard timeout, lease heartbeats, cancel, crash capture.
 
 The worker never imports torch or the runner: it starts `python -m services.runner` (the command derived
-from a ``RunRequest``) in its own process group, with an allow-listed environment, and reads the report it
+from a ``RunRequest``) in its own process group, with an allow-listed environment — forked from the host's
+warm zygote when there is one (shared/zygote.py), else as a fresh interpreter — and reads the report it
 writes. Whatever happens to that process — crash, hang, OOM kill — ends here as a RunReport (ERROR with its
 class), never as a dead worker. The runner dies with the worker too (a parent-death signal).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -25,8 +23,9 @@ from shared.cores import CoreGroup, cpu_set, pin_environment
 from shared.db.models import Job
 from shared.enums import ErrorClass, Verdict
 from shared.jobs.rules import job_report
-from shared.processes import describe_exit, die_with_parent, output_tail
+from shared.processes import describe_exit, output_tail
 from shared.settings import Settings, child_environment
+from shared.zygote import kill_group, start_python, zygote_address
 
 logger = get_task_logger(__name__)
 
@@ -57,36 +56,38 @@ def supervise(
         return job_report(job, Verdict.ERROR, error_class, message, core_range=core_range)
 
     request.report.unlink(missing_ok=True)
-    command = runner_command(request)
-    logger.info("starting runner: job %s, %s stage: %s", job.id, request.stage.value, shlex.join(command))
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            command,
-            env=child_environment(settings, pin_environment(job.backend, group) if group else {}, secrets),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: one kill takes the runner and its children
-            preexec_fn=_prepare_child(group if job.backend == "cpu" else None),
-        )
-        try:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    _kill_group(proc)
-                    return failed(
-                        ErrorClass.timeout, f"runner exceeded the {settings.job_timeout_s:.0f} s limit and was killed"
-                    )
-                try:
-                    returncode = proc.wait(timeout=min(settings.heartbeat_interval_s, remaining))
-                    break
-                except subprocess.TimeoutExpired:
-                    if not keep_lease():
-                        _kill_group(proc)
-                        return None
-        finally:
-            if proc.poll() is None:
-                _kill_group(proc)
+    proc, refused = start_python(
+        RUNNER_MODULE,
+        request.to_argv(),
+        child_environment(settings, pin_environment(job.backend, group) if group else {}, secrets),
+        log_path,
+        own_group=True,  # one kill takes the runner and its children
+        cpus=cpu_set(group) if group and job.backend == "cpu" else None,
+        zygote=zygote_address(settings.data_dir, settings.host_name) if settings.zygote else None,
+    )
+    how = "forked by the zygote" if not isinstance(proc, subprocess.Popen) else f"a fresh interpreter{refused or ''}"
+    logger.info(
+        "starting runner: job %s, %s stage: %s (pid %s, %s)",
+        job.id, request.stage.value, shlex.join(runner_command(request)), proc.pid, how,
+    )  # fmt: skip
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                kill_group(proc)
+                return failed(
+                    ErrorClass.timeout, f"runner exceeded the {settings.job_timeout_s:.0f} s limit and was killed"
+                )
+            try:
+                returncode = proc.wait(timeout=min(settings.heartbeat_interval_s, remaining))
+                break
+            except subprocess.TimeoutExpired:
+                if not keep_lease():
+                    kill_group(proc)
+                    return None
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
     try:
         report = RunReport.model_validate_json(request.report.read_text())
     except (OSError, ValidationError) as exc:
@@ -95,20 +96,3 @@ def supervise(
         return failed(ErrorClass.crash, message)
     report.cores = job.cores
     return report
-
-
-def _prepare_child(group: CoreGroup | None) -> Callable[[], None]:
-    cpus = cpu_set(group) if group else None
-
-    def prepare() -> None:  # in the child, before exec: the runner and all it starts inherit both
-        die_with_parent()  # a worker killed outright takes its runner along, freeing the cores
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
-
-    return prepare
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()

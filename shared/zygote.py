@@ -1,0 +1,265 @@
+"""Starting a runner process: forked from the host's warm zygote, or as a fresh interpreter when there is none.
+
+A fresh ``python -m services.runner`` spends seconds importing torch and transformers before it does any
+work, and a job starts two of them (the runner, then its child) per stage — while its cores stay reserved
+(issue 12, P4). The host launcher keeps one zygote (``python -m services.runner.zygote``) that has imported
+them once, in a process that has run nothing yet, and forks a runner from it on request over a Unix socket
+(an abstract name: nothing on disk, no path-length limit). ``start_python`` asks it first and falls back to
+``subprocess.Popen`` when no zygote answers, or when it refuses: a request whose environment differs from
+the zygote's in anything but the per-child variables (``PER_CHILD_NAMES``) would run code imported under
+another environment (huggingface_hub reads HF_ENDPOINT at import), so it is refused, never forked.
+
+What the fresh interpreter gets, a forked one gets too: exactly the given environment, stdin from
+/dev/null, stdout and stderr into the log, the CPU affinity, its own process group (a runner: one kill
+takes it and its ranks) or the caller's (a rank), and death with its parent (the zygote kills a child whose
+requester's connection closes: the requester died).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from pydantic import BaseModel
+
+from shared.processes import die_with_parent
+
+# Variables a forked child may have that its zygote has not: read by our code or by libraries when used, not
+# when imported (huggingface_hub reads HF_TOKEN per call; tempfile's TMPDIR is reset in the child). The
+# zygote imports torch with device-backend autoload off, so that no accelerator library is loaded in a
+# process that forks: a child that needs one imports it (the neuron backend does), under its own NEURON_ and
+# TORCH_NEURONX_ variables. Anything else must match the zygote's environment.
+PER_CHILD_NAMES = frozenset(
+    {
+        "HF_TOKEN",
+        "SUPPORTMATRIX_COMPILE_CACHE_TOKEN",
+        "SUPPORTMATRIX_JUDGE_TOKEN",
+        "SUPPORTMATRIX_RUNNER_ZYGOTE",
+        "TORCH_DEVICE_BACKEND_AUTOLOAD",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TMPDIR",
+        "CUDA_VISIBLE_DEVICES",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
+)
+PER_CHILD_PREFIXES = ("NEURON_", "TORCH_NEURONX_")
+ZYGOTE_ENVIRONMENT = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}  # on top of the runners' common environment
+MODULES = frozenset({"services.runner", "services.runner.child"})  # all a zygote starts
+EXIT_UNKNOWN = 255  # the zygote ended before it could tell a child's exit status
+CONNECT_TIMEOUT_S = 10.0  # a zygote answers a fork request in milliseconds; one that does not is stuck
+STATUS_WAIT_S = 5.0  # between a child's end and its status from the zygote (it reaps every 50 ms)
+
+
+class ForkRequest(BaseModel):
+    module: str
+    args: list[str]
+    env: dict[str, str]
+    log: Path
+    cpus: list[int] | None = None
+    group: Literal["new"] | int  # "new": lead a process group of its own; else join this group
+
+
+class ForkReply(BaseModel):
+    pid: int | None = None  # forked
+    exit_status: int | None = None  # the child ended: Popen's returncode (negative: killed by that signal)
+    refused: str | None = None
+
+
+class ZygoteUnavailable(Exception):
+    pass
+
+
+class StartedProcess(Protocol):
+    """What callers use of a started runner process: ``subprocess.Popen`` or a ``ForkedProcess``."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+def zygote_address(data_dir: Path, host_name: str) -> str:
+    """The zygote's abstract socket name on this host (one per data dir and host name), spelled with a leading
+    "@" as ``ss`` prints it: an environment variable cannot hold the NUL that starts it."""
+    digest = hashlib.sha256(f"{data_dir.resolve()}\0{host_name}".encode()).hexdigest()[:16]
+    return f"@supportmatrix-zygote-{digest}"
+
+
+def socket_name(address: str) -> str:
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+def environment_mismatch(zygote_env: dict[str, str], env: dict[str, str]) -> str | None:
+    """Why a child with ``env`` cannot be forked from a zygote started with ``zygote_env``; None if it can."""
+    names = {
+        n for n in zygote_env.keys() | env.keys() if n not in PER_CHILD_NAMES and not n.startswith(PER_CHILD_PREFIXES)
+    }
+    differ = sorted(n for n in names if zygote_env.get(n) != env.get(n))
+    return f"environment differs from the zygote's in {', '.join(differ)}" if differ else None
+
+
+class ForkedProcess:
+    """A child forked by the zygote: its exit status arrives on the connection that asked for it."""
+
+    def __init__(self, connection: socket.socket, pid: int, buffered: bytes) -> None:
+        self.connection = connection
+        self.pid = pid
+        self.returncode: int | None = None
+        self._buffer = buffered
+        self._zygote_alive = True
+        # Known without the zygote: a pidfd turns readable when the process ends (even if no one reaps it). A
+        # child already reaped has none; its status is on the connection.
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._pidfd = None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(timeout=0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is not None:
+            return self.returncode
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._zygote_alive:
+            if b"\n" not in self._buffer and not _ready([self.connection, *self._fds()], timeout):
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            # it ended, or the zygote spoke: its status follows at once unless the zygote itself is gone
+            line = self._read_line(STATUS_WAIT_S)
+            if line:
+                status = ForkReply.model_validate_json(line).exit_status
+                return self._ended(EXIT_UNKNOWN if status is None else status)
+            self._zygote_alive = False
+        # The zygote is gone: the pidfd alone says when the child ends; its status was lost with the zygote.
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if self._pidfd is not None and not _ready([self._pidfd], remaining):
+            raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+        return self._ended(EXIT_UNKNOWN)
+
+    def _fds(self) -> list[int]:
+        return [] if self._pidfd is None else [self._pidfd]
+
+    def _read_line(self, timeout: float) -> bytes:
+        """The next line from the zygote; empty when it closed the connection or said nothing in time."""
+        while b"\n" not in self._buffer:
+            if not _ready([self.connection], timeout):
+                return b""
+            chunk = self.connection.recv(4096)
+            if not chunk:
+                return b""
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    def _ended(self, status: int) -> int:
+        self.returncode = status
+        self.connection.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        return status
+
+
+def _ready(fds: list[Any], timeout: float | None) -> bool:
+    return bool(select.select(fds, [], [], timeout)[0])
+
+
+def fork_from_zygote(address: str, request: ForkRequest) -> ForkedProcess:
+    """Ask the zygote for a child; ZygoteUnavailable when none listens or it refuses."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.settimeout(CONNECT_TIMEOUT_S)
+        connection.connect(socket_name(address))
+        connection.sendall(request.model_dump_json().encode() + b"\n")
+        buffer = b""
+        while b"\n" not in buffer:
+            chunk = connection.recv(4096)
+            if not chunk:
+                raise ConnectionError("the zygote closed the connection")
+            buffer += chunk
+        connection.settimeout(None)
+    except OSError as exc:
+        connection.close()
+        raise ZygoteUnavailable(f"no zygote answered: {exc}") from exc
+    line, _, rest = buffer.partition(b"\n")
+    reply = ForkReply.model_validate_json(line)
+    if reply.pid is None:
+        connection.close()
+        raise ZygoteUnavailable(f"the zygote refused: {reply.refused}")
+    return ForkedProcess(connection, reply.pid, rest)
+
+
+def start_python(
+    module: str,
+    args: list[str],
+    env: dict[str, str],
+    log: Path,
+    *,
+    own_group: bool,
+    cpus: set[int] | None = None,
+    zygote: str | None = None,
+) -> tuple[StartedProcess, str | None]:
+    """``python -m module args``: forked by the zygote at ``zygote`` when it can, else a fresh interpreter.
+    Returns the process and, when the zygote was asked and could not fork, why (for the caller's log)."""
+    if zygote is not None:
+        request = ForkRequest(
+            module=module, args=args, env=env | {"SUPPORTMATRIX_RUNNER_ZYGOTE": zygote}, log=log,
+            cpus=sorted(cpus) if cpus is not None else None, group="new" if own_group else os.getpgid(0),
+        )  # fmt: skip
+        try:
+            return fork_from_zygote(zygote, request), None
+        except ZygoteUnavailable as exc:
+            why: str | None = f" ({exc})"
+    else:
+        why = None
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=own_group,
+            preexec_fn=_prepare_child(cpus),
+        )
+    return proc, why
+
+
+def _prepare_child(cpus: set[int] | None) -> Callable[[], None]:
+    def prepare() -> None:  # in the child, before exec: the runner and all it starts inherit both
+        die_with_parent()
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
+    return prepare
+
+
+def kill_group(proc: StartedProcess) -> None:
+    """SIGKILL a runner and everything in its process group, and wait for it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

@@ -1,0 +1,142 @@
+"""The host's zygote forks runners as a fresh interpreter would start them, and never what it must not.
+
+A child here is ``services.runner.child`` reading its spec from a FIFO: it waits, alive and inspectable,
+until the test writes the spec (a describe), then runs it and exits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.runner.specs import ChildOutcome, DescribeSpec, SpecFile
+from shared.settings import child_environment, get_settings
+from shared.zygote import (
+    EXIT_UNKNOWN,
+    ZYGOTE_ENVIRONMENT,
+    ForkedProcess,
+    environment_mismatch,
+    kill_group,
+    start_python,
+    zygote_address,
+)
+
+CHILD = "services.runner.child"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_zygote(tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
+    settings = get_settings()
+    address = zygote_address(tmp, name)
+    log = (tmp / f"{name}.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.runner.zygote", address],
+        env=child_environment(settings, ZYGOTE_ENVIRONMENT), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while "ready in" not in (tmp / f"{name}.log").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp / f"{name}.log").read_text()
+        time.sleep(0.1)
+    return proc, address
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    tmp = tmp_path_factory.mktemp("zygote")
+    proc, address = start_zygote(tmp, "shared")
+    yield proc, address, tmp
+    proc.terminate()
+    proc.wait(30)
+
+
+def waiting_child(tmp: Path, name: str) -> tuple[Path, Path]:
+    """A spec path that is a FIFO (the child blocks reading it) and the outcome path the spec will name."""
+    fifo = tmp / f"{name}.spec.json"
+    os.mkfifo(fifo)
+    return fifo, tmp / f"{name}.out.json"
+
+
+def release(fifo: Path, out: Path) -> None:
+    fifo.write_text(SpecFile(spec=DescribeSpec(backend="cpu", out=out)).model_dump_json())
+
+
+def test_a_forked_runner_gets_its_group_cpus_log_and_exit_status(zygote: tuple[object, str, Path]) -> None:
+    zygote_proc, address, tmp = zygote
+    fifo, out = waiting_child(tmp, "plain")
+    log = tmp / "plain.log"
+    env = child_environment(get_settings(), {})
+    proc, refused = start_python(CHILD, [str(fifo)], env, log, own_group=True, cpus={0}, zygote=address)
+    assert refused is None and isinstance(proc, ForkedProcess)
+    assert os.getpgid(proc.pid) == proc.pid  # leads its own process group: one kill takes it and its ranks
+    assert Path(f"/proc/{proc.pid}/status").read_text().count("Cpus_allowed_list:\t0\n") == 1
+    assert int(Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1].split()[1]) == zygote_proc.pid  # type: ignore[attr-defined]
+    assert proc.poll() is None
+    release(fifo, out)
+    assert proc.wait(timeout=120) == 0
+    outcome = ChildOutcome.model_validate_json(out.read_text())
+    assert outcome.ok and outcome.data is not None and outcome.data["backend"] == "cpu"
+    assert f"fork {proc.pid}: {CHILD}" in (tmp / "shared.log").read_text()
+
+
+def test_a_foreign_environment_or_module_is_refused_and_started_afresh(zygote: tuple[object, str, Path]) -> None:
+    """huggingface_hub read HF_ENDPOINT when the zygote imported it: a child told another would use the old one."""
+    _, address, tmp = zygote
+    env = child_environment(get_settings(), {})
+    assert environment_mismatch(env, env | {"HF_TOKEN": "t", "RANK": "1", "NEURON_RT_VISIBLE_CORES": "0-1"}) is None
+    fifo, out = waiting_child(tmp, "foreign")
+    foreign = env | {"HF_ENDPOINT": "http://elsewhere.invalid"}
+    proc, refused = start_python(CHILD, [str(fifo)], foreign, tmp / "foreign.log", own_group=True, zygote=address)
+    assert isinstance(proc, subprocess.Popen) and refused is not None and "HF_ENDPOINT" in refused
+    release(fifo, out)
+    assert proc.wait(timeout=300) == 0
+    proc, refused = start_python("services.worker", [], env, tmp / "worker.log", own_group=True, zygote=address)
+    assert isinstance(proc, subprocess.Popen) and "not a runner module" in (refused or "")
+    kill_group(proc)
+
+
+def test_a_forked_child_dies_with_the_process_that_asked_for_it(zygote: tuple[object, str, Path]) -> None:
+    """The worker killed outright takes its runner along (as a parent-death signal does for a fresh one)."""
+    _, address, tmp = zygote
+    fifo, _ = waiting_child(tmp, "orphan")
+    asker = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\nfrom pathlib import Path\nfrom shared.settings import child_environment, get_settings\n"
+         "from shared.zygote import start_python\n"
+         f"proc, _ = start_python({CHILD!r}, [{str(fifo)!r}], child_environment(get_settings(), {{}}), "
+         f"Path({str(tmp / 'orphan.log')!r}), own_group=True, zygote={address!r})\n"
+         "print(proc.pid, flush=True)\ntime.sleep(600)"],
+        cwd=ROOT, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert asker.stdout is not None
+    pid = int(asker.stdout.readline())
+    os.kill(pid, 0)  # alive, waiting on its FIFO
+    asker.send_signal(signal.SIGKILL)
+    asker.wait()
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(") ")[1][:1]:
+        assert time.monotonic() < deadline, "the orphaned child is still running"
+        time.sleep(0.1)
+
+
+def test_a_timeout_kills_the_forked_group_and_a_dead_zygote_loses_only_the_status(tmp_path: Path) -> None:
+    zygote_proc, address = start_zygote(tmp_path, "mortal")
+    env = child_environment(get_settings(), {})
+    fifo, _ = waiting_child(tmp_path, "hung")
+    proc, _ = start_python(CHILD, [str(fifo)], env, tmp_path / "hung.log", own_group=True, zygote=address)
+    kill_group(proc)  # what supervise does past the job's limit
+    assert proc.returncode == -signal.SIGKILL
+    fifo2, out2 = waiting_child(tmp_path, "outlives")
+    proc, _ = start_python(CHILD, [str(fifo2)], env, tmp_path / "outlives.log", own_group=True, zygote=address)
+    zygote_proc.terminate()
+    zygote_proc.wait(30)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.5)  # the zygote is gone; its child is not
+    release(fifo2, out2)
+    assert proc.wait(timeout=120) == EXIT_UNKNOWN and ChildOutcome.model_validate_json(out2.read_text()).ok
