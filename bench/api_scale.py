@@ -31,14 +31,12 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-import psycopg
 import redis
 import sqlalchemy as sa
 from fastapi import FastAPI
@@ -52,19 +50,17 @@ from services.api.metrics import StateCollector
 from shared.auth.scopes import Scope
 from shared.auth.tokens import authenticate, create_token
 from shared.db.engine import make_engine
-from shared.db.migrate import upgrade
 from shared.db.models import Job
 from shared.hub.client import ResolvedModel
 from shared.jobs import rules
 from shared.processes import free_port, output_tail
 from shared.settings import Settings
-from testing.bulk_rows import CORES_PER_HOST, HOSTS, TABLES, History, populate
+from testing.bulk_rows import CORES_PER_HOST, HOSTS, History, scratch_history
 from testing.hub_standin import HubStandin
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = 1_000_000
 POSTGRES = os.environ.get("SUPPORTMATRIX_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-ADMIN = POSTGRES.replace("postgresql+psycopg", "postgresql")
 REDIS = os.environ.get("SUPPORTMATRIX_TEST_REDIS", "redis://127.0.0.1:6379")
 CONSTANT_PATH = "/bench/constant"
 SESSION_PATH = "/bench/session"
@@ -116,34 +112,6 @@ def served_app() -> FastAPI:
 
 
 # --- what runs: the database, the Hub, Redis, the API ------------------------------------------------------
-
-
-def schema_url(schema: str) -> str:
-    return f"{POSTGRES}?options=-csearch_path%3D{schema}"
-
-
-@contextlib.contextmanager
-def scratch_schema() -> Iterator[str]:
-    """A PostgreSQL schema of this run, migrated to head; yields its name and drops it after."""
-    schema = f"bench_api_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(ADMIN, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    try:
-        upgrade(schema_url(schema))
-        yield schema
-    finally:
-        with psycopg.connect(ADMIN, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-
-
-def fill(schema: str, rows: int) -> tuple[History, float]:
-    """The history (``testing.bulk_rows``), vacuumed and analysed; and the seconds it took."""
-    started = time.perf_counter()
-    with psycopg.connect(ADMIN, autocommit=True, options=f"-csearch_path={schema}") as conn:
-        with conn.transaction():
-            history = populate(conn, rows)
-        conn.execute(f"VACUUM ANALYZE {', '.join(TABLES)}")
-    return history, time.perf_counter() - started
 
 
 @contextlib.contextmanager
@@ -347,17 +315,16 @@ def scrape_costs(engine: sa.Engine) -> dict[str, float]:
 
 
 def run(work: Path, rows: int = ROWS) -> Section:
-    with scratch_schema() as schema:
-        history, fill_s = fill(schema, rows)
-        engine = make_engine(schema_url(schema))
+    with scratch_history(POSTGRES, rows, "bench_api") as scratch:
+        engine = make_engine(scratch.url)
         try:
             token = token_for(engine)
             with (
                 redis_db() as redis_url,
                 hub_serving_known_model(work) as hub_url,
-                api_server(work, schema_url(schema), redis_url, hub_url) as port,
+                api_server(work, scratch.url, redis_url, hub_url) as port,
             ):
-                return measure(engine, port, token, history, fill_s)
+                return measure(engine, port, token, scratch.history, scratch.fill_s)
         finally:
             engine.dispose()
 

@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -59,29 +58,15 @@ HUB_TOKEN = "hf_bench_write_token"
 @contextlib.contextmanager
 def scratch_schema(rows: int) -> Iterator[tuple[sa.Engine, History]]:
     """A migrated schema of its own holding a history of ``rows`` finished jobs with their results; dropped after."""
-    import psycopg
-
     from shared.db.engine import make_engine
-    from shared.db.migrate import upgrade
-    from testing.bulk_rows import TABLES, populate
+    from testing.bulk_rows import scratch_history
 
-    admin = POSTGRES.replace("postgresql+psycopg", "postgresql")
-    schema = f"bench_export_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    url = f"{POSTGRES}?options=-csearch_path%3D{schema}"
-    engine = make_engine(url)
-    try:
-        upgrade(url)
-        with psycopg.connect(admin, autocommit=True, options=f"-csearch_path={schema}") as conn:
-            with conn.transaction():
-                history = populate(conn, rows)
-            conn.execute(f"VACUUM ANALYZE {', '.join(TABLES)}")
-        yield engine, history
-    finally:
-        engine.dispose()
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    with scratch_history(POSTGRES, rows, "bench_export") as scratch:
+        engine = make_engine(scratch.url)
+        try:
+            yield engine, scratch.history
+        finally:
+            engine.dispose()
 
 
 def timed(work: Callable[[], object]) -> float:

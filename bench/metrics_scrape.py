@@ -17,7 +17,6 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -89,48 +88,34 @@ def main() -> int:
     )
     args = parser.parse_args()
 
-    import psycopg
     from sqlalchemy.orm import Session
 
     from services.api.metrics import StateCollector
     from shared.db.engine import make_engine
-    from shared.db.migrate import upgrade
     from shared.settings import Settings
-    from testing.bulk_rows import TABLES, populate
+    from testing.bulk_rows import analyze, scratch_history
 
-    admin = args.postgres.replace("postgresql+psycopg", "postgresql")
-    schema = f"bench_metrics_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    url = f"{args.postgres}?options=-csearch_path%3D{schema}"
-    engine = make_engine(url)
-    try:
-        upgrade(url)
-        started = time.perf_counter()
-        with psycopg.connect(admin, autocommit=True, options=f"-csearch_path={schema}") as conn:
-            with conn.transaction():
-                populate(conn, args.rows)
-            conn.execute(f"VACUUM ANALYZE {', '.join(TABLES)}")
-            print(f"inserted {args.rows:,} results (+ their jobs) in {time.perf_counter() - started:.0f} s")
+    with scratch_history(args.postgres, args.rows, "bench_metrics") as scratch, scratch.connect() as conn:
+        print(f"inserted {args.rows:,} results (+ their jobs) in {scratch.fill_s:.0f} s")
+        engine = make_engine(scratch.url)
+        try:
             settings = Settings(worker_stale_s=60)
             sessions = lambda: Session(engine)  # noqa: E731
             collector = StateCollector(settings, sessions)
             for name in METRICS_INDEXES:
                 conn.execute(f"DROP INDEX {name}")
-            conn.execute(f"VACUUM ANALYZE {', '.join(TABLES)}")
+            analyze(conn)
             without = measure(collector, sessions, settings, args.repeat)
             for statement in METRICS_INDEXES.values():
                 conn.execute(statement)
-            conn.execute(f"VACUUM ANALYZE {', '.join(TABLES)}")
+            analyze(conn)
             indexed = measure(collector, sessions, settings, args.repeat)
-        print(f"\nscrape cost over {args.rows:,} result rows (median of {args.repeat}, ms)")
-        print(f"{'family':<20} {'without its indexes':>20} {'as migrated':>12}")
-        for name in (*FAMILIES, "whole scrape"):
-            print(f"{name:<20} {without[name] * 1000:>20.1f} {indexed[name] * 1000:>12.1f}")
-    finally:
-        engine.dispose()
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        finally:
+            engine.dispose()
+    print(f"\nscrape cost over {args.rows:,} result rows (median of {args.repeat}, ms)")
+    print(f"{'family':<20} {'without its indexes':>20} {'as migrated':>12}")
+    for name in (*FAMILIES, "whole scrape"):
+        print(f"{name:<20} {without[name] * 1000:>20.1f} {indexed[name] * 1000:>12.1f}")
     return 0
 
 

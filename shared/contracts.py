@@ -49,6 +49,13 @@ class RuntimeInfo(BaseModel):
     torch_version: str
 
 
+def cpu_compiler(compile_backend: str, torch_version: str, dtype: str) -> tuple[str, str]:
+    """The cpu backend's compiler name and version: what its runner reports, and what the API plans a job for
+    when no worker is live. A bf16 run is another configuration of the same compiler: its cells stay apart."""
+    suffix = "" if dtype == "float32" else "-bf16"
+    return compile_backend, f"{compile_backend}-{torch_version}{suffix}"
+
+
 class RunRequest(BaseModel):
     """One runner invocation. Field names are the runner's flags (``--core-range`` for ``core_range``)."""
 

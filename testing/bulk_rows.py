@@ -14,6 +14,10 @@ judge's fields), so that reading one costs what it costs in production.
 
 from __future__ import annotations
 
+import contextlib
+import time
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +49,56 @@ SELECTED = 20
 # What populate fills: ANALYZE (or VACUUM ANALYZE) these after it, by name — a bare ANALYZE reads every table of
 # the database, every other schema's too.
 TABLES = ("jobs", "results", "workers", "queues_seen", "sweeps", "sweep_entries")
+
+
+@dataclass(frozen=True)
+class ScratchHistory:
+    """A PostgreSQL schema of its own, migrated to head and holding a generated history."""
+
+    schema: str
+    url: str  # SQLAlchemy's, with the schema as its search path
+    history: History
+    fill_s: float  # generating, vacuuming and analysing it
+
+    def connect(self) -> Any:
+        """A psycopg connection (autocommit) whose search path is the schema."""
+        import psycopg
+
+        return psycopg.connect(_libpq(self.url), autocommit=True, options=f"-csearch_path={self.schema}")
+
+
+def analyze(conn: Any) -> None:
+    """What autovacuum would have done by now, on the generated tables only."""
+    conn.execute(f"VACUUM ANALYZE {', '.join(TABLES)}")
+
+
+def _libpq(url: str) -> str:
+    return url.split("?")[0].replace("postgresql+psycopg", "postgresql")
+
+
+@contextlib.contextmanager
+def scratch_history(postgres: str, rows: int, prefix: str) -> Iterator[ScratchHistory]:
+    """A schema named ``prefix_<random>`` in the database at ``postgres`` (a SQLAlchemy URL), migrated to head,
+    holding ``rows`` finished jobs with their results (``populate``), vacuumed and analysed; dropped after."""
+    import psycopg
+
+    from shared.db.migrate import upgrade
+
+    schema = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(_libpq(postgres), autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    try:
+        url = f"{postgres}?options=-csearch_path%3D{schema}"
+        upgrade(url)
+        started = time.perf_counter()
+        with psycopg.connect(_libpq(postgres), autocommit=True, options=f"-csearch_path={schema}") as conn:
+            with conn.transaction():
+                history = populate(conn, rows)
+            analyze(conn)
+        yield ScratchHistory(schema, url, history, time.perf_counter() - started)
+    finally:
+        with psycopg.connect(_libpq(postgres), autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ def test_the_host_replans_when_a_two_core_job_arrives_and_after_it_is_done(
 def test_a_hosts_runtime_is_described_once_and_kept(tmp_path: Path) -> None:
     """Workers after the first start without a runner child: the description is kept per installation."""
     from services.worker.__main__ import describe_runtime
+    from shared.jobs.rules import default_runtime
 
     settings = get_settings().model_copy(update={"data_dir": tmp_path})
     first = describe_runtime(settings)  # asked of a runner child
@@ -88,3 +89,9 @@ def test_a_hosts_runtime_is_described_once_and_kept(tmp_path: Path) -> None:
     assert describe_runtime(settings).compiler_version == "the-kept-answer"  # read back, not asked again
     eager = settings.model_copy(update={"cpu_compile_backend": "eager"})
     assert describe_runtime(eager).compiler_version == "eager-2.13.0+cpu"  # what it depends on changed: asked
+    # what the API plans a job for while no worker is live (a host restarting its workers) is what they serve
+    bf16 = settings.model_copy(update={"cpu_dtype": "bfloat16"})
+    for configured, described in ((settings, first), (eager, describe_runtime(eager)), (bf16, describe_runtime(bf16))):
+        planned = default_runtime(configured)
+        assert planned is not None and planned.compiler_name == described.compiler_name
+        assert planned.compiler_version == described.compiler_version

@@ -79,8 +79,8 @@ def become(request: ForkRequest) -> None:
             os.setpgid(0, request.group)
         if request.cpus is not None:
             os.sched_setaffinity(0, request.cpus)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the zygote's own handlers are not the child's
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         out = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, 1)
         os.dup2(out, 2)

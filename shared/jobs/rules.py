@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from shared.contracts import LIBRARY, RunReport, RuntimeInfo, installed_version
+from shared.contracts import LIBRARY, RunReport, RuntimeInfo, cpu_compiler, installed_version
 from shared.db.models import Job, Result, Worker, utcnow
 from shared.enums import ACTIVE_STATES, FINISHED_STATES, CompilerName, ErrorClass, JobState, Stage, Task, Verdict
 from shared.hub.client import ResolvedModel
@@ -117,9 +117,10 @@ def default_runtime(settings: Settings) -> RuntimeInfo | None:
     if settings.backend == "neuron":
         compiler_name = CompilerName.neuronx_cc.value
         compiler_version = settings.default_compiler or installed_version("neuronx-cc")
-    else:
-        compiler_name = CompilerName.inductor.value
-        compiler_version = settings.default_compiler or (torch_version and f"inductor-{torch_version}")
+    elif settings.default_compiler or not torch_version:
+        compiler_name, compiler_version = CompilerName.inductor.value, settings.default_compiler
+    else:  # what this host's cpu workers will serve (a job planned for another compiler would find no worker)
+        compiler_name, compiler_version = cpu_compiler(settings.cpu_compile_backend, torch_version, settings.cpu_dtype)
     if not (compiler_version and library_version):
         return None
     return RuntimeInfo(

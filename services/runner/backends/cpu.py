@@ -7,6 +7,7 @@ import os
 from services.runner.backends.base import Backend, inductor_cache_outcome
 from services.runner.compile_cache import inductor_env, local_cache_dir
 from services.runner.measure import peak_rss_bytes
+from shared.contracts import cpu_compiler
 from shared.cores import format_cpus
 
 
@@ -37,9 +38,7 @@ class CpuBackend(Backend):
     def compiler(self) -> tuple[str, str]:
         import torch
 
-        # A bf16 run is another configuration of the same compiler: its cells stay apart from float32's.
-        suffix = "" if self.dtype == "float32" else "-bf16"
-        return self.compile_backend, f"{self.compile_backend}-{torch.__version__}{suffix}"
+        return cpu_compiler(self.compile_backend, torch.__version__, self.dtype)
 
     def peak_memory_bytes(self) -> int:
         return peak_rss_bytes()
