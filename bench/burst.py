@@ -5,7 +5,9 @@ on 2 CPUs is allowed: core i runs on CPU i mod 2), the host launcher with its de
 6 one-core, 3 two-core and 2 four-core jobs through ``POST /jobs``, each a different repo of the tiny Llama
 served by the Hub stand-in. From the SQL timestamps it reports the makespan (first created → last
 finished) against the lower bound ``max(total accelerator core-seconds / 8, longest job)``, the longest
-wait of each size, and what the launcher logged. Then, on the idle host:
+wait of each size, the longest time a job stayed queued while an aligned group of its size ran no job
+(against one job of that size: the issue's "no size waiting more than one job's duration behind a free
+aligned group"), and what the launcher logged. Then, on the idle host:
 
 - P4 dispatch: three lonely 1-core jobs, one after the other: created → accelerator stage started;
 - P4 overhead: per lonely job (and per job of the burst), the accelerator stage's time minus its load +
@@ -20,6 +22,7 @@ wait of each size, and what the launcher logged. Then, on the idle host:
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import os
 import statistics
 from pathlib import Path
@@ -30,6 +33,7 @@ import httpx
 from bench.fleet import SimJob, Timings, lower_bound, simulate
 from bench.report import Goal, Measure, Section
 from services.worker.planner import SPARE_GROUPS
+from shared.cores import CoreGroup
 from testing.services import spawn, wait_until
 
 HOST_CORES = 8
@@ -157,6 +161,21 @@ def report(
     bound = lower_bound(sim_jobs, HOST_CORES)
     waits = {size: max(t(j, "started_at") - t0 for j in burst if j["cores"] == size) for size in BURST}
     durations = {size: statistics.median(s.accelerator_s for s in sim_jobs if s.cores == size) for size in BURST}
+    stages = [(t(j, "started_at"), t(j, "judging_at"), CoreGroup.parse(rows[j["id"]]["core_range"])) for j in burst]
+
+    def waited_beside_a_free_group(job: dict[str, Any]) -> float:
+        """Seconds this job was queued while an aligned group of its size ran no job on any of its cores."""
+        queued, began, size = t(job, "created_at"), t(job, "started_at"), job["cores"]
+        edges = sorted({queued, began} | {x for a, b, _ in stages for x in (a, b) if queued < x < began})
+        free = 0.0
+        for a, b in itertools.pairwise(edges):
+            busy = {c for start, end, group in stages if start <= (a + b) / 2 < end for c in group.cores}
+            if any(busy.isdisjoint(range(first, first + size)) for first in range(0, HOST_CORES, size)):
+                free += b - a
+        return free
+
+    free_waits = {size: max(waited_beside_a_free_group(j) for j in burst if j["cores"] == size) for size in BURST}
+    worst = max(BURST, key=lambda size: free_waits[size] / durations[size])
     # as the real launcher ran it: no durations known at first, then the medians of the jobs finished so far
     simulated = simulate(sim_jobs, 1, HOST_CORES, Timings(verdict_workers=1), learn_durations=True)
     dispatch = [t(jobs[i], "started_at") - t(jobs[i], "created_at") for i in lonely]
@@ -171,8 +190,14 @@ def report(
     overhead = [stage - work for stage, work in map(stage_and_work, burst)]
     lonely_overhead = [stage - work for stage, work in (stage_and_work(jobs[i]) for i in lonely)]
     fresh_overhead = [stage - work for stage, work in (stage_and_work(jobs[i]) for i in lonely_fresh)]
-    work_cs = sum(j["cores"] * stage_and_work(j)[1] for j in burst)
-    reserved_cs = sum(j["cores"] * stage_and_work(j)[0] for j in burst)
+
+    def efficiency(chosen: list[dict[str, Any]]) -> float:
+        """Σ cores x (load + compile + generate) / Σ cores x accelerator stage."""
+        return sum(j["cores"] * stage_and_work(j)[1] for j in chosen) / sum(
+            j["cores"] * stage_and_work(j)[0] for j in chosen
+        )
+
+    burst_work = statistics.median(stage_and_work(j)[1] for j in burst)
     verdict_stage = statistics.median(s.verdict_s for s in sim_jobs)
     plans = [line for line in log_lines if " host: " in line]
     timeline = "\n".join(
@@ -186,6 +211,11 @@ def report(
                 ours=makespan, baseline=bound, baseline_name="lower bound", goal=Goal(on="ratio", at_most=1.2),
                 note=f"longest wait by size {', '.join(f'{s}: {w:.0f} s' for s, w in waits.items())}; median "
                 f"accelerator stage by size {', '.join(f'{s}: {d:.0f} s' for s, d in durations.items())}"),
+        Measure(measure="longest wait beside a free aligned group of the job's size, against one job of it",
+                unit="s", ours=free_waits[worst], baseline=durations[worst],
+                baseline_name=f"median {worst}-core accelerator stage", goal=Goal(on="ratio", at_most=1.0),
+                note="by size " + ", ".join(f"{s}: {w:.1f} s" for s, w in free_waits.items())
+                + " (queued while every core of some aligned group of its size ran no job)"),
         Measure(measure="simulated vs measured makespan, same burst", unit="s", ours=simulated.makespan_s,
                 baseline=makespan, baseline_name="measured", goal=Goal(on="ratio", at_least=0.8, at_most=1.2),
                 note="measured stage durations fed to bench/fleet.py; on 2 CPUs the durations themselves depend on "
@@ -197,8 +227,12 @@ def report(
                 baseline_name="no zygote: fresh interpreters", goal=Goal(on="ours", at_most=1.0),
                 note=f"in the burst (8 jobs' processes on 2 CPUs): {statistics.median(overhead):.1f} s; verdict "
                 f"stage median {verdict_stage:.1f} s (off the cores; not itemized)"),
-        Measure(measure="P4 core-time efficiency: work / reserved core-seconds", unit="", ours=work_cs / reserved_cs,
-                goal=Goal(on="ours", at_least=0.95)),
+        Measure(measure="P4 core-time efficiency: work / reserved core-seconds, the burst", unit="",
+                ours=efficiency(burst), goal=Goal(on="ours", at_least=0.95),
+                note=f"a burst job's median work is {burst_work:.1f} s, and the rest of its stage (the runner's "
+                "download check, sizing, rank start-up, artifacts) stretches with 8 jobs' processes on 2 CPUs; "
+                f"lonely jobs: {efficiency([jobs[i] for i in lonely]):.2f} with the zygote, "
+                f"{efficiency([jobs[i] for i in lonely_fresh]):.2f} without"),
         Measure(measure=f"P3 reference runs stored: {models_again} models x 2 compiler versions", unit="",
                 ours=references_after, baseline=models_again,
                 baseline_name="one per model", goal=Goal(on="ratio", at_most=1.0)),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import select
 import signal
@@ -39,11 +40,11 @@ from shared.processes import die_with_parent
 # zygote imports torch with device-backend autoload off, so that no accelerator library is loaded in a
 # process that forks: a child that needs one imports it (the neuron backend does), under its own NEURON_ and
 # TORCH_NEURONX_ variables. Anything else must match the zygote's environment.
-PER_CHILD_NAMES = frozenset(
+# Secrets never pass through the zygote: its memory is every later child's (a repo's own code could read a token
+# a request left in it). The requester writes them to a file of its own (0600) that the child reads and removes.
+SECRET_NAMES = frozenset({"HF_TOKEN", "SUPPORTMATRIX_COMPILE_CACHE_TOKEN", "SUPPORTMATRIX_JUDGE_TOKEN"})
+PER_CHILD_NAMES = SECRET_NAMES | frozenset(
     {
-        "HF_TOKEN",
-        "SUPPORTMATRIX_COMPILE_CACHE_TOKEN",
-        "SUPPORTMATRIX_JUDGE_TOKEN",
         "SUPPORTMATRIX_RUNNER_ZYGOTE",
         "TORCH_DEVICE_BACKEND_AUTOLOAD",
         "TORCHINDUCTOR_CACHE_DIR",
@@ -71,6 +72,7 @@ class ForkRequest(BaseModel):
     log: Path
     cpus: list[int] | None = None
     group: Literal["new"] | int  # "new": lead a process group of its own; else join this group
+    secrets_file: Path | None = None  # JSON {name: value}, added to the environment, removed once read
 
 
 class ForkReply(BaseModel):
@@ -226,13 +228,23 @@ def start_python(
     """``python -m module args``: forked by the zygote at ``zygote`` when it can, else a fresh interpreter.
     Returns the process and, when the zygote was asked and could not fork, why (for the caller's log)."""
     if zygote is not None:
+        secrets = {name: value for name, value in env.items() if name in SECRET_NAMES}
+        secrets_file = log.with_name(f"{log.name}.secrets") if secrets else None
+        if secrets_file is not None:
+            secrets_file.unlink(missing_ok=True)
+            with os.fdopen(os.open(secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+                json.dump(secrets, out)
+        public = {name: value for name, value in env.items() if name not in SECRET_NAMES}
         request = ForkRequest(
-            module=module, args=args, env=env | {"SUPPORTMATRIX_RUNNER_ZYGOTE": zygote}, log=log,
+            module=module, args=args, env=public | {"SUPPORTMATRIX_RUNNER_ZYGOTE": zygote}, log=log,
             cpus=sorted(cpus) if cpus is not None else None, group="new" if own_group else os.getpgid(0),
+            secrets_file=secrets_file,
         )  # fmt: skip
         try:
             return fork_from_zygote(zygote, request), None
         except ZygoteUnavailable as exc:
+            if secrets_file is not None:
+                secrets_file.unlink(missing_ok=True)
             why: str | None = f" ({exc})"
     else:
         why = None

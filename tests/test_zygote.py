@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,6 +100,44 @@ def test_a_foreign_environment_or_module_is_refused_and_started_afresh(zygote: t
     proc, refused = start_python("services.worker", [], env, tmp / "worker.log", own_group=True, zygote=address)
     assert isinstance(proc, subprocess.Popen) and "not a runner module" in (refused or "")
     kill_group(proc)
+
+
+def memory_holds(pid: int, needle: bytes) -> bool:
+    """Whether any readable mapping of process ``pid`` holds ``needle`` (we are root: /proc/PID/mem reads)."""
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            start, end = (int(x, 16) for x in span.split("-"))
+            if not perms.startswith("r"):
+                continue
+            for offset in range(start, end, 1 << 26):
+                try:
+                    mem.seek(offset)
+                    chunk = mem.read(min(end - offset, (1 << 26) + len(needle)))
+                except (OSError, ValueError, OverflowError):
+                    break
+                if needle in chunk:
+                    return True
+    return False
+
+
+def test_a_secret_reaches_the_child_in_a_file_and_never_the_zygotes_memory(zygote: tuple[object, str, Path]) -> None:
+    """Every later child is a copy of the zygote's memory: a token a request left there would reach a run of a
+    repo's own code. The requester hands it over in a file of its own, which the child reads and removes."""
+    zygote_proc, address, tmp = zygote
+    token = f"hf_zygote_secret_{uuid.uuid4().hex}"
+    fifo, out = waiting_child(tmp, "secret")
+    env = child_environment(get_settings(), {}, {"HF_TOKEN": token})
+    proc, _ = start_python(CHILD, [str(fifo)], env, tmp / "secret.log", own_group=True, zygote=address)
+    assert isinstance(proc, ForkedProcess)
+    deadline = time.monotonic() + 30
+    while (tmp / "secret.log.secrets").exists():  # read by the child, then removed
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert memory_holds(proc.pid, f"HF_TOKEN={token}".encode())
+    assert not memory_holds(zygote_proc.pid, token.encode())  # type: ignore[attr-defined]
+    release(fifo, out)
+    assert proc.wait(timeout=120) == 0
 
 
 def test_a_forked_child_dies_with_the_process_that_asked_for_it(zygote: tuple[object, str, Path]) -> None:

@@ -6,13 +6,15 @@ group, and runs ``python -m MODULE ARGS`` as a fresh interpreter would (``runpy`
 status. The zygote reaps its children and tells each requester the status on the connection it asked on;
 when a requester's connection closes first (it died), its child is killed. Only processes of the same
 user may ask, only for the runner's modules, and only with the zygote's own environment apart from the
-per-child variables. Single-threaded: a fork copies no thread.
+per-child variables. Secrets reach the child in a file, never through here: this process's memory is every
+later child's. Single-threaded: a fork copies no thread.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import runpy
@@ -27,6 +29,8 @@ import traceback
 
 from shared.zygote import MODULES, ForkReply, ForkRequest, environment_mismatch, socket_name
 
+# What a runner and its children import, short of the modules they run as __main__ (runpy would warn that one
+# already imported may behave unpredictably).
 PRELOAD = (
     "torch",
     "torch._dynamo",
@@ -34,7 +38,8 @@ PRELOAD = (
     "transformers.modeling_utils",
     "transformers.generation",
     "services.runner.stages",
-    "services.runner.child",
+    "services.runner.backends",
+    "services.runner.tasks",
 )
 REAP_EVERY_S = 0.05
 REQUEST_TIMEOUT_S = 5.0
@@ -90,6 +95,9 @@ def become(request: ForkRequest) -> None:
         os.close(devnull)
         os.environ.clear()
         os.environ.update(request.env)
+        if request.secrets_file is not None:
+            os.environ.update(json.loads(request.secrets_file.read_text()))
+            request.secrets_file.unlink()
         tempfile.tempdir = None  # TMPDIR is the child's: asked again on first use
         from shared.settings import get_settings
 
