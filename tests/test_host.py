@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +76,30 @@ def test_the_host_replans_when_a_two_core_job_arrives_and_after_it_is_done(
     children = [what.rsplit("/", 1)[1] for module, what in forks if module == "services.runner.child"]
     assert children == ["accelerator.rank0.spec.json", "accelerator.rank1.spec.json", "reference.spec.json"]
     assert re.search(rf"starting runner: job {job['id']}, accelerator stage: .*forked by the zygote", output)
+
+
+def test_the_launcher_process_forks_its_workers_and_stops_them(api: Any, tmp_path: Path) -> None:
+    """`python -m services.worker.host` forks its workers from itself (it has imported what they import): they
+    register, run a job to its end, and leave with the launcher."""
+    log = tmp_path / "host.log"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "services.worker.host", "--cores", "1", "--poll", "0.2"],
+        cwd=Path(__file__).resolve().parent.parent, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while registered() != {"0"}:
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
+        [job] = submit(api, "host/tiny-llama", cores=1)
+        done = wait_for_job(api, job["id"], FINISHED)
+        assert done["state"] == "done" and accelerator_owner(done["id"]).startswith("cores-0@")
+    finally:
+        launcher.terminate()
+        launcher.wait(120)
+    text = log.read_text()
+    [started] = re.findall(r"start: worker on cores 0 \(pid (\d+), forked\)", text)
+    assert not Path(f"/proc/{started}").exists() and registered() == set()  # gone, and deregistered
 
 
 def test_a_hosts_runtime_is_described_once_and_kept(tmp_path: Path) -> None:

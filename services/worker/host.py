@@ -16,20 +16,24 @@ host's zygote, which forks the workers' runners with torch and transformers alre
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import sqlalchemy as sa
 
 from services.worker.__main__ import describe_runtime
+from services.worker.__main__ import main as worker_main
 from services.worker.planner import HostPlan, HostState, plan_host
 from shared.cores import CoreGroup
-from shared.db.engine import new_session
+from shared.db.engine import get_engine, new_session
 from shared.db.models import Job, Worker, utcnow
 from shared.enums import JobState
 from shared.jobs.rules import LeaseOwner, live_since
@@ -125,18 +129,90 @@ def read_backlog(settings: Settings) -> HostBacklog:
     )
 
 
+class WorkerProcess(Protocol):
+    """What the launcher uses of a worker process: ``subprocess.Popen`` or a ``ForkedWorker``."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+def prepare_to_fork_workers() -> None:
+    """Import what a worker imports when it starts (its tasks, Celery's worker, the Redis transport, the pool),
+    once, in the launcher: its forked workers then skip them."""
+    import billiard.pool  # noqa: F401
+    import celery.apps.worker
+    import celery.concurrency.prefork  # noqa: F401
+    import kombu.transport.redis  # noqa: F401
+
+    import services.worker.tasks  # noqa: F401
+
+
+class ForkedWorker:
+    """A worker forked from the launcher: ``python -m services.worker ARGS`` without a new interpreter. The
+    launcher is single-threaded; the child drops the launcher's database connections (SQLAlchemy's recipe
+    for a forked process) and its signal handlers before it becomes the worker."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.returncode: int | None = None
+        sys.stdout.flush()  # else the child would write the launcher's buffered output a second time
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                get_engine().dispose(close=False)
+                code = worker_main(args)
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
+            time.sleep(0.05)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+
 def groups_text(groups: list[CoreGroup]) -> str:
     return " ".join(map(str, groups)) or "-"
 
 
 class HostLauncher:
-    def __init__(self, settings: Settings, total_cores: int) -> None:
+    def __init__(self, settings: Settings, total_cores: int, fork_workers: bool = False) -> None:
         self.settings = settings
         self.total_cores = total_cores
-        self.workers: dict[CoreGroup, subprocess.Popen[bytes]] = {}
-        self.draining: dict[CoreGroup, subprocess.Popen[bytes]] = {}
+        self.fork_workers = fork_workers
+        self.workers: dict[CoreGroup, WorkerProcess] = {}
+        self.draining: dict[CoreGroup, WorkerProcess] = {}
         self.started_at: dict[CoreGroup, float] = {}
-        self.verdict_workers: list[subprocess.Popen[bytes]] = []
+        self.verdict_workers: list[WorkerProcess] = []
         self.zygote: subprocess.Popen[bytes] | None = None
         self.last_plan: HostPlan | None = None
         self.last_backlog: dict[int, int] | None = None
@@ -148,8 +224,7 @@ class HostLauncher:
         self.verdict_workers = [p for p in self.verdict_workers if p.poll() is None]
         for i in range(len(self.verdict_workers), self.settings.verdict_workers):
             log(f"start: verdict worker {i}")
-            command = [sys.executable, "-m", "services.worker", "--verdict", "--name", f"verdict-{i}"]
-            self.verdict_workers.append(subprocess.Popen(command))
+            self.verdict_workers.append(self.start_worker(["--verdict", "--name", f"verdict-{i}"]))
         for group, proc in list(self.draining.items()):
             if proc.poll() is not None:
                 del self.draining[group]
@@ -206,13 +281,22 @@ class HostLauncher:
         now = time.monotonic()
         return frozenset(g for g in self.workers if now - self.started_at.get(g, 0.0) < STARTING_S)
 
-    def spawn(self, group: CoreGroup) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([sys.executable, "-m", "services.worker", "--cores", str(group)])
+    def spawn(self, group: CoreGroup) -> WorkerProcess:
+        proc = self.start_worker(["--cores", str(group)])
         self.started_at[group] = time.monotonic()
-        log(f"start: worker on cores {group} (pid {proc.pid})")
+        how = ", forked" if isinstance(proc, ForkedWorker) else ""
+        log(f"start: worker on cores {group} (pid {proc.pid}{how})")
         return proc
 
-    def lifetime(self, group: CoreGroup, proc: subprocess.Popen[bytes]) -> str:
+    def start_worker(self, args: list[str]) -> WorkerProcess:
+        """``python -m services.worker ARGS``: forked from this process when it runs as the launcher (it has
+        imported all a worker imports, so a worker is ready in a fraction of a fresh interpreter's start on a
+        loaded host), else — a launcher inside another program, such as a test — a fresh interpreter."""
+        if self.fork_workers:
+            return ForkedWorker(args)
+        return subprocess.Popen([sys.executable, "-m", "services.worker", *args])
+
+    def lifetime(self, group: CoreGroup, proc: WorkerProcess) -> str:
         return f"exit {proc.returncode}, after {time.monotonic() - self.started_at.pop(group, time.monotonic()):.1f} s"
 
     def stop(self) -> None:
@@ -238,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     # Described once per host and kept (services/worker/__main__.py): every worker started after reads it back
     # instead of importing torch in a runner child, so a worker is ready in about a second.
     log(f"serving {describe_runtime(settings).compiler_version}")
-    launcher = HostLauncher(settings, args.cores)
+    prepare_to_fork_workers()
+    launcher = HostLauncher(settings, args.cores, fork_workers=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -32,6 +32,11 @@ class NeuronBackend(DeviceBackend):
             "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": str(cache / "neff-locks"),
         }
 
+    def prepare_process(self) -> None:
+        # Registers the "neuron" device, its collective and dynamo backend: what autoload does when torch is
+        # imported, which a runner forked from the zygote (torch imported with autoload off) has not had.
+        import torch_neuronx  # noqa: F401
+
     def compiler(self) -> tuple[str, str]:
         import neuronxcc  # the full version, with its +hash, as the NEFF cache namespaces it
 
