@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
+import logging
 import os
 import signal
 import socket
+import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn, Protocol
 
 PR_SET_PDEATHSIG = 1
 OUTPUT_TAIL_CHARS = 3000
@@ -33,6 +40,46 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:
         os._exit(1)
+
+
+class ChildProcess(Protocol):
+    """What callers use of a process they started: ``subprocess.Popen``, or one forked without a new interpreter
+    (``shared.zygote.ForkedProcess``, ``services.worker.host.ForkedWorker``)."""
+
+    pid: int
+    returncode: int | None  # as Popen's: negative when killed by that signal
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def run_as_child(main: Callable[[], object]) -> NoReturn:
+    """In a process forked without exec: run ``main`` as an interpreter runs a script — a SystemExit's code or an
+    uncaught exception's traceback and status 1, then the exit hooks — and end the process there, never
+    returning into the code that forked it."""
+    code = 1
+    try:
+        try:
+            returned = main()
+            code = returned if isinstance(returned, int) else 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            if isinstance(exit_.code, str):
+                print(exit_.code, file=sys.stderr)
+        atexit._run_exitfuncs()
+        logging.shutdown()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed or broken stream must not keep the process from ending
+                stream.flush()
+        os._exit(code)
 
 
 def output_tail(log: Path) -> str:

@@ -29,11 +29,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal
 
 from pydantic import BaseModel
 
-from shared.processes import die_with_parent
+from shared.processes import ChildProcess, die_with_parent
 
 # Variables a forked child may have that its zygote has not: read by our code or by libraries when used, not
 # when imported (huggingface_hub reads HF_TOKEN per call; tempfile's TMPDIR is reset in the child). The
@@ -60,9 +60,9 @@ PER_CHILD_NAMES = SECRET_NAMES | frozenset(
 PER_CHILD_PREFIXES = ("NEURON_", "TORCH_NEURONX_")
 ZYGOTE_ENVIRONMENT = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}  # on top of the runners' common environment
 MODULES = frozenset({"services.runner", "services.runner.child"})  # all a zygote starts
-EXIT_UNKNOWN = 255  # the zygote ended before it could tell a child's exit status
+EXIT_UNKNOWN = 255  # the zygote ended before it could tell a child's exit status (supervise reads the report)
 CONNECT_TIMEOUT_S = 10.0  # a zygote answers a fork request in milliseconds; one that does not is stuck
-STATUS_WAIT_S = 5.0  # between a child's end and its status from the zygote (it reaps every 50 ms)
+STATUS_WAIT_S = 5.0  # between a child's end and its status (the zygote reaps every 50 ms, reads requests in 1 s)
 
 
 class ForkRequest(BaseModel):
@@ -83,19 +83,6 @@ class ForkReply(BaseModel):
 
 class ZygoteUnavailable(Exception):
     pass
-
-
-class StartedProcess(Protocol):
-    """What callers use of a started runner process: ``subprocess.Popen`` or a ``ForkedProcess``."""
-
-    pid: int
-    returncode: int | None
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-    def kill(self) -> None: ...
 
 
 def zygote_address(data_dir: Path, host_name: str) -> str:
@@ -119,7 +106,8 @@ def environment_mismatch(zygote_env: dict[str, str], env: dict[str, str]) -> str
 
 
 class ForkedProcess:
-    """A child forked by the zygote: its exit status arrives on the connection that asked for it."""
+    """A child forked by the zygote (a ``ChildProcess``): its exit status arrives on the connection that asked
+    for it; a pidfd says when it ended if the zygote is gone, and signals it without the risk of a reused pid."""
 
     def __init__(self, connection: socket.socket, pid: int, buffered: bytes) -> None:
         self.connection = connection
@@ -127,16 +115,18 @@ class ForkedProcess:
         self.returncode: int | None = None
         self._buffer = buffered
         self._zygote_alive = True
-        # Known without the zygote: a pidfd turns readable when the process ends (even if no one reaps it). A
-        # child already reaped has none; its status is on the connection.
-        try:
+        try:  # none for a child already reaped: its status is on the connection
             self._pidfd: int | None = os.pidfd_open(pid)
-        except ProcessLookupError:
+        except OSError:
             self._pidfd = None
 
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None and self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, sig)
+
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
 
     def poll(self) -> int | None:
         try:
@@ -149,19 +139,18 @@ class ForkedProcess:
             return self.returncode
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._zygote_alive:
-            if b"\n" not in self._buffer and not _ready([self.connection, *self._fds()], timeout):
+            if b"\n" not in self._buffer and not _ready([self.connection.fileno(), *self._fds()], timeout):
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
             # it ended, or the zygote spoke: its status follows at once unless the zygote itself is gone
             line = self._read_line(STATUS_WAIT_S)
             if line:
-                status = ForkReply.model_validate_json(line).exit_status
-                return self._ended(EXIT_UNKNOWN if status is None else status)
+                return self._ended(ForkReply.model_validate_json(line).exit_status)
             self._zygote_alive = False
         # The zygote is gone: the pidfd alone says when the child ends; its status was lost with the zygote.
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         if self._pidfd is not None and not _ready([self._pidfd], remaining):
             raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
-        return self._ended(EXIT_UNKNOWN)
+        return self._ended(None)
 
     def _fds(self) -> list[int]:
         return [] if self._pidfd is None else [self._pidfd]
@@ -169,7 +158,7 @@ class ForkedProcess:
     def _read_line(self, timeout: float) -> bytes:
         """The next line from the zygote; empty when it closed the connection or said nothing in time."""
         while b"\n" not in self._buffer:
-            if not _ready([self.connection], timeout):
+            if not _ready([self.connection.fileno()], timeout):
                 return b""
             chunk = self.connection.recv(4096)
             if not chunk:
@@ -178,16 +167,20 @@ class ForkedProcess:
         line, _, self._buffer = self._buffer.partition(b"\n")
         return line
 
-    def _ended(self, status: int) -> int:
-        self.returncode = status
+    def _ended(self, status: int | None) -> int:
+        self.returncode = EXIT_UNKNOWN if status is None else status
         self.connection.close()
         if self._pidfd is not None:
             os.close(self._pidfd)
-        return status
+        return self.returncode
 
 
-def _ready(fds: list[Any], timeout: float | None) -> bool:
-    return bool(select.select(fds, [], [], timeout)[0])
+def _ready(fds: list[int], timeout: float | None) -> bool:
+    """Whether any of ``fds`` is readable within ``timeout`` seconds (poll: no limit on descriptor numbers)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else int(timeout * 1000)))
 
 
 def fork_from_zygote(address: str, request: ForkRequest) -> ForkedProcess:
@@ -224,7 +217,7 @@ def start_python(
     own_group: bool,
     cpus: set[int] | None = None,
     zygote: str | None = None,
-) -> tuple[StartedProcess, str | None]:
+) -> tuple[ChildProcess, str | None]:
     """``python -m module args``: forked by the zygote at ``zygote`` when it can, else a fresh interpreter.
     Returns the process and, when the zygote was asked and could not fork, why (for the caller's log)."""
     if zygote is not None:
@@ -270,7 +263,7 @@ def _prepare_child(cpus: set[int] | None) -> Callable[[], None]:
     return prepare
 
 
-def kill_group(proc: StartedProcess) -> None:
+def kill_group(proc: ChildProcess) -> None:
     """SIGKILL a runner and everything in its process group, and wait for it."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from services.worker.host import HostLauncher
-from shared.cores import CoreGroup
+from shared.cores import CoreGroup, cpu_set, format_cpus
 from shared.db.engine import new_session
 from shared.db.models import Worker
 from shared.settings import get_settings
@@ -80,24 +81,31 @@ def test_the_host_replans_when_a_two_core_job_arrives_and_after_it_is_done(
 
 def test_the_launcher_process_forks_its_workers_and_stops_them(api: Any, tmp_path: Path) -> None:
     """`python -m services.worker.host` forks its workers from itself (it has imported what they import): they
-    register, run a job to its end, and leave with the launcher."""
+    register, run a job to its end — its runner and child forked from the zygote, the child pinned to the
+    job's core as a fresh one would be — and leave with the launcher."""
     log = tmp_path / "host.log"
+    # eager: a compiler version of its own, so that the session's 1-core worker (aot_eager) takes none of its jobs
     launcher = subprocess.Popen(
         [sys.executable, "-m", "services.worker.host", "--cores", "1", "--poll", "0.2"],
         cwd=Path(__file__).resolve().parent.parent, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        env={**os.environ, "SUPPORTMATRIX_CPU_COMPILE_BACKEND": "eager"},
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while registered() != {"0"}:
+        while registered() != {"0"} or "zygote: ready" not in log.read_text():
             assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.3)
-        [job] = submit(api, "host/tiny-llama", cores=1)
+        [job] = submit(api, "host/tiny-llama", cores=1, compilers=["eager-2.13.0+cpu"])
         done = wait_for_job(api, job["id"], FINISHED)
         assert done["state"] == "done" and accelerator_owner(done["id"]).startswith("cores-0@")
+        rows = api.get("/results", params={"model_id": "host/tiny-llama"}).json()["items"]
+        [row] = [r for r in rows if r["job_id"] == job["id"]]
+        assert row["visible_cores"] == format_cpus(cpu_set(CoreGroup(0, 1)))
     finally:
         launcher.terminate()
         launcher.wait(120)
     text = log.read_text()
+    assert re.search(rf"zygote: fork \d+: services\.runner\.child \S+/job-{job['id']}/accelerator\.spec\.json", text)
     [started] = re.findall(r"start: worker on cores 0 \(pid (\d+), forked\)", text)
     assert not Path(f"/proc/{started}").exists() and registered() == set()  # gone, and deregistered
 

@@ -8,6 +8,7 @@ killed with it.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import TypeVar
@@ -17,9 +18,9 @@ from pydantic import BaseModel
 from services.runner.failures import RunFailure
 from services.runner.specs import ChildOutcome, ChildSpec, SpecFile
 from shared.enums import ErrorClass
-from shared.processes import describe_exit, free_port, output_tail
+from shared.processes import ChildProcess, describe_exit, free_port, output_tail
 from shared.settings import get_settings
-from shared.zygote import StartedProcess, start_python
+from shared.zygote import start_python
 
 POLL_S = 0.2
 CHILD_MODULE = "services.runner.child"
@@ -55,9 +56,13 @@ def run_ranks(
         # In the runner's process group, so killing the group (the worker's hard timeout) takes every child with
         # it; and a child dies with its runner even when only that is killed. Forked from the host's zygote when
         # the runner was (SUPPORTMATRIX_RUNNER_ZYGOTE), else a fresh interpreter.
-        proc, _ = start_python(
-            CHILD_MODULE, [str(spec_path)], rank_env, log_path, own_group=False, zygote=get_settings().runner_zygote
-        )
+        proc, refused = start_python(
+            CHILD_MODULE, [str(spec_path)], rank_env, log_path, own_group=False,
+            cpus=os.sched_getaffinity(0),  # the runner's: a forked child does not inherit them from it
+            zygote=get_settings().runner_zygote,
+        )  # fmt: skip
+        if refused:
+            print(f"{name}: a fresh interpreter{refused}", flush=True)
         ranks.append((name, proc, rank_spec.out, log_path))
     try:
         _wait_all(ranks, timeout_s, role)
@@ -69,7 +74,7 @@ def run_ranks(
     return [result.model_validate(_outcome(name, proc, out, log).data) for name, proc, out, log in ranks]
 
 
-def _wait_all(ranks: list[tuple[str, StartedProcess, Path, Path]], timeout_s: float, role: str) -> None:
+def _wait_all(ranks: list[tuple[str, ChildProcess, Path, Path]], timeout_s: float, role: str) -> None:
     """Until all ranks exit; the first one that fails (or the deadline) ends the wait for all."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -88,7 +93,7 @@ def _wait_all(ranks: list[tuple[str, StartedProcess, Path, Path]], timeout_s: fl
         time.sleep(POLL_S)
 
 
-def _outcome(name: str, proc: StartedProcess, out: Path, log_path: Path) -> ChildOutcome:
+def _outcome(name: str, proc: ChildProcess, out: Path, log_path: Path) -> ChildOutcome:
     if not out.exists():
         tail = output_tail(log_path)
         raise RunFailure(ErrorClass.crash, f"{name} process {describe_exit(proc.wait())}; output:\n{tail}")

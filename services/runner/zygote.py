@@ -1,21 +1,20 @@
 """`python -m services.runner.zygote ADDRESS`: a warm process that forks runners (shared/zygote.py).
 
 It imports torch, transformers and the runner once, runs nothing, and then forks a child per request on the
-abstract Unix socket ADDRESS: the child takes the requested environment, log, CPU affinity and process
-group, and runs ``python -m MODULE ARGS`` as a fresh interpreter would (``runpy``), ending with its exit
-status. The zygote reaps its children and tells each requester the status on the connection it asked on;
-when a requester's connection closes first (it died), its child is killed. Only processes of the same
-user may ask, only for the runner's modules, and only with the zygote's own environment apart from the
-per-child variables. Secrets reach the child in a file, never through here: this process's memory is every
-later child's. Single-threaded: a fork copies no thread.
+abstract Unix socket ADDRESS: the child takes the requested environment, log, CPU affinity (and a thread count
+to match, as torch would have chosen in a fresh interpreter) and process group, and runs ``python -m MODULE
+ARGS`` as a fresh interpreter would (``runpy``), ending with its exit status. The zygote reaps its children and
+tells each requester the status on the connection it asked on; when a requester's connection closes first (it
+died), its child is killed. Only processes of the same user may ask, only for the runner's modules, and only
+with the zygote's own environment apart from the per-child variables. Secrets reach the child in a file,
+never through here: this process's memory is every later child's. Single-threaded: a fork copies no thread.
+A request is read with a short timeout, and a requester gone before its answer loses its child.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
-import logging
 import os
 import runpy
 import selectors
@@ -25,8 +24,10 @@ import struct
 import sys
 import tempfile
 import time
-import traceback
+from dataclasses import dataclass
+from pathlib import Path
 
+from shared.processes import run_as_child
 from shared.zygote import MODULES, ForkReply, ForkRequest, environment_mismatch, socket_name
 
 # What a runner and its children import, short of the modules they run as __main__ (runpy would warn that one
@@ -42,7 +43,7 @@ PRELOAD = (
     "services.runner.tasks",
 )
 REAP_EVERY_S = 0.05
-REQUEST_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 1.0  # a requester writes its request as it connects; one that does not is not waited for
 
 
 def log(message: str) -> None:
@@ -74,66 +75,60 @@ def refusal(request: ForkRequest, zygote_env: dict[str, str]) -> str | None:
     return environment_mismatch(zygote_env, request.env)
 
 
-def become(request: ForkRequest) -> None:
-    """In the forked child: what a fresh interpreter would be given, then the module as __main__. Never returns."""
-    code = 1
-    try:
-        if request.group == "new":
-            os.setpgid(0, 0)
-        else:
-            os.setpgid(0, request.group)
-        if request.cpus is not None:
-            os.sched_setaffinity(0, request.cpus)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the zygote's own handlers are not the child's
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        out = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.close(devnull)
-        os.environ.clear()
-        os.environ.update(request.env)
-        if request.secrets_file is not None:
-            os.environ.update(json.loads(request.secrets_file.read_text()))
-            request.secrets_file.unlink()
-        tempfile.tempdir = None  # TMPDIR is the child's: asked again on first use
-        from shared.settings import get_settings
+def become(request: ForkRequest, log_fd: int) -> None:
+    """In the forked child: what a fresh interpreter would be given, then the module as __main__."""
+    os.dup2(log_fd, 1)  # first: whatever fails below is in the requester's log
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    secrets = {}
+    if request.secrets_file is not None:  # then: a child that fails below leaves no secret on disk
+        secrets = json.loads(request.secrets_file.read_text())
+        request.secrets_file.unlink()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the zygote's own handlers are not the child's
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.setpgid(0, 0 if request.group == "new" else request.group)
+    if request.cpus is not None:
+        os.sched_setaffinity(0, request.cpus)
+    os.environ.clear()
+    os.environ.update(request.env | secrets)
+    tempfile.tempdir = None  # TMPDIR is the child's: asked again on first use
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
 
-        get_settings.cache_clear()  # read from this child's environment when first asked
-        sys.argv = [request.module, *request.args]
-        try:
-            runpy.run_module(request.module, run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-            if isinstance(exit_.code, str):
-                print(exit_.code, file=sys.stderr)
-        atexit._run_exitfuncs()
-        logging.shutdown()
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+        # torch sized its thread pool from the zygote's CPUs when it was imported: a fresh interpreter would
+        # have seen this child's
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    from shared.settings import get_settings
+
+    get_settings.cache_clear()  # read from this child's environment when first asked
+    sys.argv = [request.module, *request.args]
+    runpy.run_module(request.module, run_name="__main__", alter_sys=True)
+
+
+@dataclass
+class Child:
+    connection: socket.socket  # its requester's
+    leads_group: bool
+    secrets_file: Path | None
 
 
 class Zygote:
     def __init__(self, address: str) -> None:
-        self.env = dict(os.environ)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(socket_name(address))
+        self.listener.bind(socket_name(address))  # before the imports: a taken address fails at once
         self.listener.listen(64)
+        self.env: dict[str, str] = {}
         self.selector = selectors.DefaultSelector()
-        self.selector.register(self.listener, selectors.EVENT_READ)
-        self.children: dict[int, tuple[socket.socket, bool]] = {}  # pid → (requester's connection, leads a group)
+        self.children: dict[int, Child] = {}
         self.by_connection: dict[socket.socket, int] = {}
         self.stopping = False
 
     def serve(self) -> None:
+        self.env = dict(os.environ)
+        self.selector.register(self.listener, selectors.EVENT_READ)
         while not self.stopping:
             for key, _ in self.selector.select(REAP_EVERY_S):
                 if key.fileobj is self.listener:
@@ -146,78 +141,89 @@ class Zygote:
     def accept(self) -> None:
         connection, _ = self.listener.accept()
         try:
-            if peer_uid(connection) != os.getuid():
-                raise PermissionError("another user asked")
-            connection.settimeout(REQUEST_TIMEOUT_S)
-            request = ForkRequest.model_validate_json(connection.makefile("rb").readline())
-        except Exception as exc:  # a bad request ends its connection, never the zygote
-            log(f"refused a request: {type(exc).__name__}: {exc}")
-            connection.close()
-            return
+            self.answer(connection)
+        except Exception as exc:  # a bad or vanished requester ends its connection, never the zygote
+            log(f"dropped a request: {type(exc).__name__}: {exc}")
+            self.forget(connection)
+
+    def answer(self, connection: socket.socket) -> None:
+        if peer_uid(connection) != os.getuid():
+            raise PermissionError("another user asked")
+        connection.settimeout(REQUEST_TIMEOUT_S)
+        request = ForkRequest.model_validate_json(connection.makefile("rb").readline())
         why = refusal(request, self.env)
         if why is not None:
             log(f"refused {request.module}: {why}")
             connection.sendall(ForkReply(refused=why).model_dump_json().encode() + b"\n")
             connection.close()
             return
-        pid = os.fork()
-        if pid == 0:  # the child keeps no socket of the zygote's: their ends close with the zygote
-            self.selector.close()
-            self.listener.close()
-            connection.close()
-            for other, _ in self.children.values():
-                other.close()
-            become(request)
+        # Opened here, so that the requester finds the log however early the child fails.
+        log_fd = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            pid = os.fork()
+            if pid == 0:  # the child keeps no socket of the zygote's: their ends close with the zygote
+                self.selector.close()
+                self.listener.close()
+                connection.close()
+                for child in self.children.values():
+                    child.connection.close()
+                run_as_child(lambda: become(request, log_fd))
+        finally:
+            os.close(log_fd)
         # Also from this side (the classic race): the group and CPUs hold before the requester hears the pid.
         with contextlib.suppress(OSError):
             os.setpgid(pid, pid if request.group == "new" else request.group)
             if request.cpus is not None:
                 os.sched_setaffinity(pid, request.cpus)
-        log(f"fork {pid}: {request.module} {' '.join(request.args)[:160]}")
-        self.children[pid] = (connection, request.group == "new")
+        self.children[pid] = Child(connection, request.group == "new", request.secrets_file)
         self.by_connection[connection] = pid
-        connection.sendall(ForkReply(pid=pid).model_dump_json().encode() + b"\n")
+        log(f"fork {pid}: {request.module} {' '.join(request.args)[:160]}")
+        connection.sendall(ForkReply(pid=pid).model_dump_json().encode() + b"\n")  # gone: the child goes too
         self.selector.register(connection, selectors.EVENT_READ)
 
     def requester_closed(self, connection: socket.socket) -> None:
         """A requester sends nothing after its request: readable means it closed (it died). Its child goes."""
-        pid = self.by_connection.get(connection)
-        if pid is not None and pid in self.children:
-            leads_group = self.children[pid][1]
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL) if leads_group else os.kill(pid, signal.SIGKILL)
         self.forget(connection)
 
     def reap(self) -> None:
-        while self.children:
+        while True:  # every ended child, those already forgotten too (no zombie stays)
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
-            entry = self.children.pop(pid, None)
-            if entry is None:
+            child = self.children.pop(pid, None)
+            if child is None:
                 continue
-            connection = entry[0]
-            reply = ForkReply(exit_status=os.waitstatus_to_exitcode(status))
+            if child.secrets_file is not None:  # one that ended before reading them
+                child.secrets_file.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
-                connection.sendall(reply.model_dump_json().encode() + b"\n")
-            self.forget(connection)
+                reply = ForkReply(exit_status=os.waitstatus_to_exitcode(status))
+                child.connection.sendall(reply.model_dump_json().encode() + b"\n")
+            self.by_connection.pop(child.connection, None)
+            self.unregister(child.connection)
 
     def forget(self, connection: socket.socket) -> None:
+        """The requester is gone: kill its child, if still running, and close the connection."""
         pid = self.by_connection.pop(connection, None)
-        if pid is not None:
-            self.children.pop(pid, None)
+        child = self.children.pop(pid, None) if pid is not None else None
+        if pid is not None and child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL) if child.leads_group else os.kill(pid, signal.SIGKILL)
+            if child.secrets_file is not None:
+                child.secrets_file.unlink(missing_ok=True)
+        self.unregister(connection)
+
+    def unregister(self, connection: socket.socket) -> None:
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(connection)
         connection.close()
 
 
 def main(argv: list[str]) -> int:
-    address = argv[1]
+    zygote = Zygote(argv[1])
     took = preload()
-    zygote = Zygote(address)
 
     def stop(*_: object) -> None:
         zygote.stopping = True

@@ -23,9 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import sqlalchemy as sa
 
@@ -37,6 +35,7 @@ from shared.db.engine import get_engine, new_session
 from shared.db.models import Job, Worker, utcnow
 from shared.enums import JobState
 from shared.jobs.rules import LeaseOwner, live_since
+from shared.processes import ChildProcess, die_with_parent, run_as_child
 from shared.settings import Settings, child_environment, get_settings
 from shared.zygote import ZYGOTE_ENVIRONMENT, zygote_address
 
@@ -46,6 +45,7 @@ RECENT_JOBS = 200  # the accelerator-stage durations the expected seconds per si
 # as unacknowledged loses that message (seen in bench/burst.py: jobs left queued with no message). Until then
 # the planner keeps it (HostState.starting).
 STARTING_S = 10.0
+ZYGOTE_RESTART_S = 30.0
 
 
 def worker_name(group: CoreGroup) -> str:
@@ -129,19 +129,6 @@ def read_backlog(settings: Settings) -> HostBacklog:
     )
 
 
-class WorkerProcess(Protocol):
-    """What the launcher uses of a worker process: ``subprocess.Popen`` or a ``ForkedWorker``."""
-
-    pid: int
-    returncode: int | None
-
-    def poll(self) -> int | None: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-    def send_signal(self, sig: int) -> None: ...
-
-
 def prepare_to_fork_workers() -> None:
     """Import what a worker imports when it starts (its tasks, Celery's worker, the Redis transport, the pool),
     once, in the launcher: its forked workers then skip them."""
@@ -154,9 +141,9 @@ def prepare_to_fork_workers() -> None:
 
 
 class ForkedWorker:
-    """A worker forked from the launcher: ``python -m services.worker ARGS`` without a new interpreter. The
-    launcher is single-threaded; the child drops the launcher's database connections (SQLAlchemy's recipe
-    for a forked process) and its signal handlers before it becomes the worker."""
+    """A worker forked from the launcher (a ``ChildProcess``): ``python -m services.worker ARGS`` without a new
+    interpreter. The launcher is single-threaded; the child drops the launcher's database connections
+    (SQLAlchemy's recipe for a forked process) and its signal handlers before it becomes the worker."""
 
     def __init__(self, args: list[str]) -> None:
         self.returncode: int | None = None
@@ -164,40 +151,37 @@ class ForkedWorker:
         sys.stderr.flush()
         self.pid = os.fork()
         if self.pid == 0:
-            code = 1
-            try:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                get_engine().dispose(close=False)
-                code = worker_main(args)
-            except SystemExit as exit_:
-                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            get_engine().dispose(close=False)
+            run_as_child(lambda: worker_main(args))
 
     def poll(self) -> int | None:
+        return self._reap(os.WNOHANG)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is None:
+            return self._reap(0) or 0
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+            time.sleep(0.05)
+        return code
+
+    def _reap(self, flags: int) -> int | None:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            pid, status = os.waitpid(self.pid, flags)
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
-            time.sleep(0.05)
-        assert self.returncode is not None
-        return self.returncode
-
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
+        if self.returncode is None:  # not reaped: the pid is still this child's
             os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def groups_text(groups: list[CoreGroup]) -> str:
@@ -209,11 +193,12 @@ class HostLauncher:
         self.settings = settings
         self.total_cores = total_cores
         self.fork_workers = fork_workers
-        self.workers: dict[CoreGroup, WorkerProcess] = {}
-        self.draining: dict[CoreGroup, WorkerProcess] = {}
+        self.workers: dict[CoreGroup, ChildProcess] = {}
+        self.draining: dict[CoreGroup, ChildProcess] = {}
         self.started_at: dict[CoreGroup, float] = {}
-        self.verdict_workers: list[WorkerProcess] = []
+        self.verdict_workers: list[ChildProcess] = []
         self.zygote: subprocess.Popen[bytes] | None = None
+        self.zygote_started_at = 0.0
         self.last_plan: HostPlan | None = None
         self.last_backlog: dict[int, int] | None = None
 
@@ -269,26 +254,30 @@ class HostLauncher:
         if not self.settings.zygote or (self.zygote is not None and self.zygote.poll() is None):
             return
         if self.zygote is not None:
+            if time.monotonic() - self.zygote_started_at < ZYGOTE_RESTART_S:
+                return  # one that cannot start (its address taken, an import failing) is not retried every poll
             log(f"exit: zygote ended on its own (exit {self.zygote.returncode})")
         address = zygote_address(self.settings.data_dir, self.settings.host_name)
         self.zygote = subprocess.Popen(
             [sys.executable, "-m", "services.runner.zygote", address],
             env=child_environment(self.settings, ZYGOTE_ENVIRONMENT),
+            preexec_fn=die_with_parent,  # a launcher killed outright takes it along: the next one's can bind
         )
+        self.zygote_started_at = time.monotonic()
         log(f"start: zygote at {address} (pid {self.zygote.pid})")
 
     def starting(self) -> frozenset[CoreGroup]:
         now = time.monotonic()
         return frozenset(g for g in self.workers if now - self.started_at.get(g, 0.0) < STARTING_S)
 
-    def spawn(self, group: CoreGroup) -> WorkerProcess:
+    def spawn(self, group: CoreGroup) -> ChildProcess:
         proc = self.start_worker(["--cores", str(group)])
         self.started_at[group] = time.monotonic()
         how = ", forked" if isinstance(proc, ForkedWorker) else ""
         log(f"start: worker on cores {group} (pid {proc.pid}{how})")
         return proc
 
-    def start_worker(self, args: list[str]) -> WorkerProcess:
+    def start_worker(self, args: list[str]) -> ChildProcess:
         """``python -m services.worker ARGS``: forked from this process when it runs as the launcher (it has
         imported all a worker imports, so a worker is ready in a fraction of a fresh interpreter's start on a
         loaded host), else — a launcher inside another program, such as a test — a fresh interpreter."""
@@ -296,17 +285,19 @@ class HostLauncher:
             return ForkedWorker(args)
         return subprocess.Popen([sys.executable, "-m", "services.worker", *args])
 
-    def lifetime(self, group: CoreGroup, proc: WorkerProcess) -> str:
+    def lifetime(self, group: CoreGroup, proc: ChildProcess) -> str:
         return f"exit {proc.returncode}, after {time.monotonic() - self.started_at.pop(group, time.monotonic()):.1f} s"
 
     def stop(self) -> None:
-        procs = list(self.workers.values()) + list(self.draining.values()) + self.verdict_workers
-        procs += [self.zygote] if self.zygote is not None else []  # its children are the workers' runners: they go on
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            proc.wait()
+        """Warm shutdown: every worker finishes its job and exits; then the zygote, which their runners needed
+        (it tells them their runners' exit status and kills a runner whose worker died)."""
+        workers = list(self.workers.values()) + list(self.draining.values()) + self.verdict_workers
+        for stage in (workers, [self.zygote] if self.zygote is not None else []):
+            for proc in stage:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in stage:
+                proc.wait()
 
 
 def log(message: str) -> None:

@@ -117,10 +117,12 @@ def default_runtime(settings: Settings) -> RuntimeInfo | None:
     if settings.backend == "neuron":
         compiler_name = CompilerName.neuronx_cc.value
         compiler_version = settings.default_compiler or installed_version("neuronx-cc")
-    elif settings.default_compiler or not torch_version:
-        compiler_name, compiler_version = CompilerName.inductor.value, settings.default_compiler
-    else:  # what this host's cpu workers will serve (a job planned for another compiler would find no worker)
+    elif settings.backend == "cpu" and torch_version and not settings.default_compiler:
+        # what this host's cpu workers will serve (a job planned for another compiler would find no worker)
         compiler_name, compiler_version = cpu_compiler(settings.cpu_compile_backend, torch_version, settings.cpu_dtype)
+    else:
+        compiler_name = CompilerName.inductor.value
+        compiler_version = settings.default_compiler or (torch_version and f"inductor-{torch_version}")
     if not (compiler_version and library_version):
         return None
     return RuntimeInfo(
