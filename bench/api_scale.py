@@ -377,7 +377,10 @@ def measure(engine: sa.Engine, port: int, token: str, history: History, fill_s: 
             "GET /metrics (whole scrape)",
             "a scrape serves the snapshot a background thread retakes every SUPPORTMATRIX_METRICS_REFRESH_S; "
             "the refresh itself costs what a scrape cost before, slowest families "
-            + ", ".join(f"{name} {ms:.0f} ms" for ms, name in slowest),
+            + ", ".join(f"{name} {ms:.0f} ms" for ms, name in slowest)
+            + f"; the p99 of {SAMPLES['metrics']} scrapes is their slowest: one that meets a refresh (those "
+            "families' SQL alone takes their sum, on the CPUs PostgreSQL and the API share) waits for it, so the "
+            "ratio depends on whether one did in this run",
         ),
         Measure(measure=f"POST /jobs, known model ({CONNECTIONS} connections)", unit="req/s", ours=posts,
                 baseline=plain_posts, baseline_name="plain POST", goal=RATE_GOAL,
