@@ -51,9 +51,10 @@ from tests.test_stages import frozen, runner_starts, stage_runner
 LEASE_S, HEARTBEAT_S, RECONCILE_S, GRACE_S, STALE_S = 6, 1, 2, 4, 5
 RECLAIM_S = LEASE_S + 2 * RECONCILE_S  # a lost job is running again within this of its loss
 # A loaded 2-CPU machine's delay in starting the next attempt, on top of RECLAIM_S: the suite runs two test
-# processes at once (pytest-xdist), so another test's runners compete for the CPUs; and a reconcile task may
-# queue behind an export, which holds the control worker for its window (EXPORT_WINDOW_S, 1 s).
-STARTUP_S = 9
+# processes at once (pytest-xdist), so another test's runners compete for the CPUs (9.8 s seen in CI while the
+# other process started zygotes, each importing torch); and a reconcile task may queue behind an export, which
+# holds the control worker for its window (EXPORT_WINDOW_S, 1 s).
+STARTUP_S = 12
 RUN_S = 90  # one job's two stages, start to end, on a loaded 2-CPU machine
 COMPILER = "eager-2.13.0+cpu"  # SUPPORTMATRIX_CPU_COMPILE_BACKEND=eager: no compile, no other module's queue
 # The stack's logs (each process's output); set SUPPORTMATRIX_TEST_FAULT_LOGS to keep them after the run.
