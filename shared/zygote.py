@@ -142,8 +142,8 @@ class ForkedProcess:
             if b"\n" not in self._buffer and not _ready([self.connection.fileno(), *self._fds()], timeout):
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
             # it ended, or the zygote spoke: its status follows at once unless the zygote itself is gone
-            line = self._read_line(STATUS_WAIT_S)
-            if line:
+            line, self._buffer = _read_line(self.connection, self._buffer, STATUS_WAIT_S)
+            if line is not None:
                 return self._ended(ForkReply.model_validate_json(line).exit_status)
             self._zygote_alive = False
         # The zygote is gone: the pidfd alone says when the child ends; its status was lost with the zygote.
@@ -155,24 +155,26 @@ class ForkedProcess:
     def _fds(self) -> list[int]:
         return [] if self._pidfd is None else [self._pidfd]
 
-    def _read_line(self, timeout: float) -> bytes:
-        """The next line from the zygote; empty when it closed the connection or said nothing in time."""
-        while b"\n" not in self._buffer:
-            if not _ready([self.connection.fileno()], timeout):
-                return b""
-            chunk = self.connection.recv(4096)
-            if not chunk:
-                return b""
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return line
-
     def _ended(self, status: int | None) -> int:
         self.returncode = EXIT_UNKNOWN if status is None else status
         self.connection.close()
         if self._pidfd is not None:
             os.close(self._pidfd)
         return self.returncode
+
+
+def _read_line(connection: socket.socket, buffer: bytes, timeout: float) -> tuple[bytes | None, bytes]:
+    """The zygote's next line (``buffer`` holds what was read before it) and what came after it; None when the
+    zygote closed the connection or said nothing within ``timeout`` seconds."""
+    while b"\n" not in buffer:
+        if not _ready([connection.fileno()], timeout):
+            return None, buffer
+        chunk = connection.recv(4096)
+        if not chunk:
+            return None, buffer
+        buffer += chunk
+    line, _, rest = buffer.partition(b"\n")
+    return line, rest
 
 
 def _ready(fds: list[int], timeout: float | None) -> bool:
@@ -190,17 +192,13 @@ def fork_from_zygote(address: str, request: ForkRequest) -> ForkedProcess:
         connection.settimeout(CONNECT_TIMEOUT_S)
         connection.connect(socket_name(address))
         connection.sendall(request.model_dump_json().encode() + b"\n")
-        buffer = b""
-        while b"\n" not in buffer:
-            chunk = connection.recv(4096)
-            if not chunk:
-                raise ConnectionError("the zygote closed the connection")
-            buffer += chunk
+        line, rest = _read_line(connection, b"", CONNECT_TIMEOUT_S)
+        if line is None:
+            raise ConnectionError("the zygote closed the connection or did not answer")
         connection.settimeout(None)
     except OSError as exc:
         connection.close()
         raise ZygoteUnavailable(f"no zygote answered: {exc}") from exc
-    line, _, rest = buffer.partition(b"\n")
     reply = ForkReply.model_validate_json(line)
     if reply.pid is None:
         connection.close()

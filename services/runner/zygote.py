@@ -133,8 +133,8 @@ class Zygote:
             for key, _ in self.selector.select(REAP_EVERY_S):
                 if key.fileobj is self.listener:
                     self.accept()
-                else:
-                    self.requester_closed(key.fileobj)  # type: ignore[arg-type]
+                else:  # a requester sends nothing after its request: readable means it closed (it died)
+                    self.forget(key.fileobj)  # type: ignore[arg-type]
             self.reap()
         self.listener.close()
 
@@ -180,10 +180,6 @@ class Zygote:
         log(f"fork {pid}: {request.module} {' '.join(request.args)[:160]}")
         connection.sendall(ForkReply(pid=pid).model_dump_json().encode() + b"\n")  # gone: the child goes too
         self.selector.register(connection, selectors.EVENT_READ)
-
-    def requester_closed(self, connection: socket.socket) -> None:
-        """A requester sends nothing after its request: readable means it closed (it died). Its child goes."""
-        self.forget(connection)
 
     def reap(self) -> None:
         while True:  # every ended child, those already forgotten too (no zombie stays)

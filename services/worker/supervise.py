@@ -4,7 +4,8 @@ The worker never imports torch or the runner: it starts `python -m services.runn
 from a ``RunRequest``) in its own process group, with an allow-listed environment — forked from the host's
 warm zygote when there is one (shared/zygote.py), else as a fresh interpreter — and reads the report it
 writes. Whatever happens to that process — crash, hang, OOM kill — ends here as a RunReport (ERROR with its
-class), never as a dead worker. The runner dies with the worker too (a parent-death signal).
+class), never as a dead worker. The runner dies with the worker too: a fresh one by a parent-death signal, a
+forked one by the zygote when the worker's connection to it closes.
 """
 
 from __future__ import annotations
