@@ -47,12 +47,13 @@ from bench.metrics_scrape import timed
 from bench.report import Goal, Measure, Section
 from services.api.deps import SessionDep
 from services.api.metrics import StateCollector
-from shared.auth.scopes import Scope
 from shared.auth.tokens import authenticate, create_token
+from shared.contracts.enums import Scope
 from shared.db.engine import make_engine
 from shared.db.models import Job
 from shared.hub.client import ResolvedModel
-from shared.jobs import rules
+from shared.jobs.runtimes import plan_runtimes
+from shared.jobs.submission import submit
 from shared.processes import free_port, output_tail
 from shared.settings import Settings
 from testing.bulk_rows import CORES_PER_HOST, HOSTS, History, scratch_history
@@ -295,11 +296,11 @@ def submission_costs(engine: sa.Engine, token: str, job_id: int) -> dict[str, fl
 
     def runtimes() -> None:
         with Session(engine) as session:
-            rules.plan_runtimes(session, settings, None)
+            plan_runtimes(session, settings, None)
 
     def lookup() -> None:
         with Session(engine) as session:
-            rules.submit(session, model, None, [runtime], task=task, cores=cores)
+            submit(session, model, None, [runtime], task=task, cores=cores)
 
     steps = {"token check + commit": token_check, "runtimes of the live workers": runtimes, "job lookup": lookup}
     return {name: timed(step, repeat=30) * 1000 for name, step in steps.items()}
@@ -408,7 +409,7 @@ reads only its own 100 jobs, its positions coming from the view's job ids alone 
 
 POST /jobs of a model that has its job, per request: the bearer token is looked up (its last use written at
 most once a minute), the runtimes are read as the distinct runtime columns of the live workers
-({HOSTS * CORES_PER_HOST} workers here: `shared.jobs.rules.served_runtimes`), the Hub's answer comes from the API's
+({HOSTS * CORES_PER_HOST} workers here: `shared.jobs.runtimes.served_runtimes`), the Hub's answer comes from the API's
 cache, sizing reads `config.json` through `hf_hub_download`, and the identity lookup finds the job; the submission
 runs in the Hub pool's threads, and a request makes seven or eight thread-pool hops and a Redis rate-limit call on
 this 2-CPU machine that PostgreSQL shares. Timed alone in this process (median ms):
@@ -420,7 +421,7 @@ this 2-CPU machine that PostgreSQL shares. Timed alone in this process (median m
         + f"""
 
 Those two first steps are where the rate goes; neither is in this part's files (`shared/auth/tokens.py`,
-`shared/jobs/rules.py`): a `SELECT DISTINCT` of the live workers' runtime columns, and a last-use stamp written at
+`shared/jobs/runtimes.py`): a `SELECT DISTINCT` of the live workers' runtime columns, and a last-use stamp written at
 most once a minute per token, would each remove most of theirs.
 
 /metrics: each family's SQL over the {history.rows:,} rows, timed in this process (ms; `bench/metrics_scrape.py`):

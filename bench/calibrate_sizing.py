@@ -30,7 +30,6 @@ service uses.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -44,6 +43,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from shared.contracts.report import RunReport  # noqa: E402
 
 HEADING = "## Sizing calibration (issue 9)"
 DEFAULT_WORK = ROOT / ".data" / "bench" / "sizing"
@@ -173,15 +174,16 @@ def measure(work: Path, quick: bool, compile_backend: str, dtype: str, log: Any)
              str(cores)], cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=1200,
         )  # fmt: skip
         lines = out.stdout.strip().splitlines()
-        report = json.loads(lines[-1]) if lines else {}
-        measured = report.get("peak_memory_bytes")
-        if not measured:
-            print(f"{arch} x{cores}: no measurement ({report.get('error_message') or out.stderr[-300:]})", file=log)
+        report = RunReport.model_validate_json(lines[-1]) if lines else None
+        measured = report.resources.peak_memory_bytes if report else None
+        if report is None or not measured:
+            why = (report.failure.error_message if report else None) or out.stderr[-300:]
+            print(f"{arch} x{cores}: no measurement ({why})", file=log)
             continue
         predicted, weights, rest = terms(checkpoint_shape(model_dir), cores, dtype)
         rows.append(Row(arch, cores, dtype, predicted, measured, weights, rest, True))
         print(f"{arch} x{cores}: predicted {predicted / MIB:.0f} MiB, measured {measured / MIB:.0f} MiB "
-              f"({report.get('verdict')}, {time.monotonic() - started:.0f} s)", file=log, flush=True)  # fmt: skip
+              f"({report.verdict}, {time.monotonic() - started:.0f} s)", file=log, flush=True)  # fmt: skip
     return rows
 
 

@@ -45,6 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from shared.contracts.report import RunReport  # noqa: E402
+
 DEFAULT_WORK = ROOT / ".data" / "bench" / "verdict"
 HEADING = "## Verdict calibration (issue 9)"
 # The fixtures' architectures (the tests use them) and those no test uses; gpt2 has neither rotary nor a TP plan.
@@ -153,8 +155,9 @@ class _Bench:
         from services.runner.faults import SCALED
         from services.runner.specs import AcceleratorSpec, ReferenceSpec
         from services.runner.tasks.text_generation import TextGeneration
-        from shared.contracts import Artifacts, RunReport
-        from shared.enums import Task
+        from shared.contracts.enums import Task
+        from shared.contracts.handoffs import Artifacts
+        from shared.contracts.report import Subject
 
         scale = SCALED.get(fault or "", scale)
         run = Run(kind=kind, arch=arch, seed=seed, cores=1, threads=threads, dtype=dtype, scale=scale)
@@ -173,14 +176,14 @@ class _Bench:
                 backend="cpu", task=Task.text_generation, model_dir=model_dir, artifacts=artifacts, accelerator=acc
             )
             found = task.reference(ref_spec, backend)
-            report = RunReport(model_id=f"local/{model_dir.name}", task=Task.text_generation.value, backend="cpu")
-            report, _ = task.conclude(report, acc, found, Artifacts(artifacts), backend.dtype)
+            subject = Subject(model_id=f"local/{model_dir.name}", task=Task.text_generation, backend="cpu")
+            report = task.conclude(acc, found, Artifacts(artifacts), backend.dtype).into(RunReport(subject=subject))
         except RunFailure as failure:
             run.verdict, run.rule, run.reason = "ERROR", "error", f"{failure.error_class.value}: {failure.message}"
         except Exception as exc:  # a fault that does not apply to this architecture
             run.verdict, run.rule, run.reason = "ERROR", "error", f"{type(exc).__name__}: {exc}"
         else:
-            _fill(run, report.model_dump(mode="json"))
+            _fill(run, report)
         finally:
             torch.set_num_threads(REFERENCE_THREADS)
             shutil.rmtree(artifacts, ignore_errors=True)
@@ -206,32 +209,34 @@ class _Bench:
         try:
             out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
             lines = out.stdout.strip().splitlines()
-            report = json.loads(lines[-1]) if lines else None
-        except subprocess.TimeoutExpired:
+            report = RunReport.model_validate_json(lines[-1]) if lines else None
+        except (subprocess.TimeoutExpired, ValueError):
             report = None
         run.seconds = time.monotonic() - started
         if report is None:
             run.verdict, run.rule, run.reason = "ERROR", "error", "the runner printed no report"
-        elif report["verdict"] not in ("PASS", "FAIL"):
+        elif report.verdict not in ("PASS", "FAIL"):
             run.verdict, run.rule = "ERROR", "error"
-            run.reason = f"{report.get('error_class')}: {report.get('error_message')}"[:300]
+            run.reason = f"{report.failure.error_class}: {report.failure.error_message}"[:300]
         else:
             _fill(run, report)
         return run
 
 
-def _fill(run: Run, report: dict[str, Any]) -> None:
-    run.verdict = report["verdict"]
-    run.reason = report["verdict_reason"] or ""
+def _fill(run: Run, report: RunReport) -> None:
+    assert report.verdict is not None
+    comparison = report.comparison
+    run.verdict = report.verdict.value
+    run.reason = report.verdict_reason or ""
     run.rule = rule_of(run.verdict, run.reason)
-    run.prefill_rel_error = report["prefill_rel_error"]
-    run.divergence = report["first_divergence"]
-    steps = (report.get("evidence") or {}).get("divergent_steps") or []
+    run.prefill_rel_error = comparison.prefill_rel_error
+    run.divergence = comparison.first_divergence
+    steps = (comparison.evidence or {}).get("divergent_steps") or []
     if steps:
         run.max_gap = max(s["gap"] for s in steps)
         run.max_rank = max(s["rank"] for s in steps)
-    if run.divergence is not None:
-        run.loglik_drop = report["reference_loglik"] - report["accelerator_loglik"]
+    if run.divergence is not None and comparison.reference_loglik is not None:
+        run.loglik_drop = comparison.reference_loglik - (comparison.accelerator_loglik or 0.0)
 
 
 # --- the plan ---------------------------------------------------------------------------------------------
@@ -378,7 +383,7 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
     faulted = [r for r in runs if r.kind in faults and r.rule != "error"]
     visible = [r for r in faulted if r.kind not in ("cache_position", "scale_shard_1pct")]
     subtle = [r for r in faulted + [r for r in runs if r.kind == "sweep" and r.rule != "error"]
-              if (r.prefill_rel_error or 0) <= tol.prefill_rel_error and r.divergence is not None]  # fmt: skip
+              if (r.prefill_rel_error or 0) <= tol.prefill and r.divergence is not None]  # fmt: skip
 
     def threshold(name: str, value: float, attr: str, against: list[Run], label: str) -> dict[str, Any]:
         faulted_values = values(against, attr)
@@ -390,7 +395,7 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
                 "against": label}  # fmt: skip
 
     thresholds = [
-        threshold("prefill_rel_error", tol.prefill_rel_error, "prefill_rel_error", visible,
+        threshold("prefill_rel_error", tol.prefill, "prefill_rel_error", visible,
                   "faults but the off-by-one position and the 1 % scale"),
         threshold("near_tie_gap", tol.near_tie_gap, "max_gap", subtle,
                   "faulted runs (sweep too) past the prefill rule that diverged: worst step"),
@@ -411,23 +416,29 @@ CANDIDATES = ((0.05, 0.3, 0.3), (0.05, 0.2, 0.3), (0.05, 0.15, 0.3), (0.04, 0.2,
 def what_if(runs: list[Run]) -> list[dict[str, Any]]:
     """Every single-core run re-decided by ``decide`` under candidate tolerances: the worst divergent step stands
     for all (a step fails when its rank or its gap is beyond the tolerance, so the worst gap and rank decide)."""
-    from shared.results.verdict import Evidence, StepEvidence, Tolerances, decide
+    from shared.contracts.evidence import Evidence, StepEvidence
+    from shared.contracts.report import Comparison
+    from shared.results.verdict import Tolerances, decide
 
     base = Tolerances.for_dtype("bfloat16")
     done = [r for r in runs if r.rule != "error" and r.prefill_rel_error is not None]
     table = []
-    current = (base.prefill_rel_error, base.near_tie_gap, base.loglik_slack)
+    current = (base.prefill, base.near_tie_gap, base.loglik_slack)
     for prefill, gap, slack in (current, *(c for c in CANDIDATES if c != current)):
-        tol = Tolerances(prefill_rel_error=prefill, near_tie_gap=gap, top_k=base.top_k, loglik_slack=slack)
+        tol = Tolerances(prefill=prefill, near_tie_gap=gap, top_k=base.top_k, loglik_slack=slack)
 
         def fails(r: Run, tol: Tolerances = tol) -> bool:
             steps = [] if r.max_gap is None else [StepEvidence(r.divergence or 0, 0, 1, r.max_gap, r.max_rank or 0)]
             diverged = r.divergence is not None
-            evidence = Evidence(
-                generated=[0] * 32, reference=[1 if diverged and i >= (r.divergence or 0) else 0 for i in range(32)],
-                divergent_steps=steps, accelerator_loglik=-(r.loglik_drop or 0.0), reference_loglik=0.0,
-                prefill_rel_error=r.prefill_rel_error or 0.0,
-            )  # fmt: skip
+            reference = [1 if diverged and i >= (r.divergence or 0) else 0 for i in range(32)]
+            numbers = Comparison(
+                generated_token_ids=[0] * 32,
+                reference_token_ids=reference,
+                reference_loglik=0.0,
+                accelerator_loglik=-(r.loglik_drop or 0.0),
+                prefill_rel_error=r.prefill_rel_error,
+            )
+            evidence = Evidence(numbers, divergent_steps=steps)  # fmt: skip
             return decide(evidence, tol).verdict == "FAIL"
 
         benign = [r for r in done if r.kind == "benign"]

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from bench.report import Goal, Measure, Section, summary
 from services.runner.specs import AcceleratorSpec, ChildOutcome
-from shared.contracts import AcceleratorData, RunReport
+from shared.contracts.handoffs import AcceleratorData
+from shared.contracts.report import RunReport
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-llama"
@@ -54,8 +55,8 @@ def accelerator_run(
     out = subprocess.run([sys.executable, "-m", "services.runner", *argv], cwd=ROOT, env=env, capture_output=True,
                          text=True, check=False)  # fmt: skip
     report = RunReport.model_validate_json(out.stdout.strip().splitlines()[-1])
-    if report.error_class is not None or report.compile_s is None:
-        raise RuntimeError(f"{cores}-core run failed: {report.error_message}")
+    if report.failure.error_class is not None or report.timings.compile_s is None:
+        raise RuntimeError(f"{cores}-core run failed: {report.failure.error_message}")
     role = AcceleratorSpec.model_fields["role"].default
     ranks = sorted(artifacts.glob(f"{role}*.out.json"))  # one file per rank, rank 0 first
     data = [ChildOutcome.model_validate_json(p.read_text()).data for p in ranks]
@@ -63,7 +64,7 @@ def accelerator_run(
 
 
 def cache_outcomes(ranks: list[AcceleratorData]) -> str:
-    return ", ".join(f"rank {r}: {d.compile_cache}" for r, d in enumerate(ranks))
+    return ", ".join(f"rank {r}: {d.resources.compile_cache}" for r, d in enumerate(ranks))
 
 
 def run(work: Path) -> Section:
@@ -76,13 +77,13 @@ def run(work: Path) -> Section:
         cold, cold_ranks = accelerator_run(model, cores, root / "cold", root / "remote")
         pushed = [p.stat().st_size for p in (root / "remote").rglob("*") if p.is_file()]
         warm, warm_ranks = accelerator_run(model, cores, root / "warm", root / "remote")
-        cold_s, warm_s = cold.compile_s or 0.0, warm.compile_s or 0.0
+        cold_s, warm_s = cold.timings.compile_s or 0.0, warm.timings.compile_s or 0.0
         note = f"warm cache {cache_outcomes(warm_ranks)}; cold {cache_outcomes(cold_ranks)}"
         floor = "-"
         if not GOAL.met(warm_s / cold_s):
             # What no cache of compiled graphs removes: dynamo's trace, alone with the eager backend.
             eager, _ = accelerator_run(model, cores, root / "eager", root / "eager-remote", "eager")
-            trace_s = eager.compile_s or 0.0
+            trace_s = eager.timings.compile_s or 0.0
             floor = f"{trace_s:.1f} s"
             note = (
                 f"warm is {cold_s / warm_s:.1f}x faster, {5 * warm_s / cold_s:.1f}x short of 5x: dynamo's trace "

@@ -77,7 +77,7 @@ def timed(work: Callable[[], object]) -> float:
 
 def newest_key(history: History) -> ExportKey:
     """The file of the round in progress: where a job finishing now lands."""
-    from shared.contracts import LIBRARY
+    from shared.contracts.run import LIBRARY
     from shared.results.export import ExportKey
 
     return ExportKey(history.newest_compiler, LIBRARY, history.newest_library_version)
@@ -86,8 +86,8 @@ def newest_key(history: History) -> ExportKey:
 def one_more_job(session: Session, model_id: str, key: ExportKey) -> int:
     """A job of ``model_id`` (a new commit of it) finished under ``key``, written through the job rules as a worker
     writes it; its id."""
+    from shared.contracts.enums import Verdict
     from shared.db.models import Job
-    from shared.enums import Verdict
     from tests.history import record, runtime
 
     record(session, model_id, runtime(key.compiler_version, key.library_version), Verdict.PASS)
@@ -344,7 +344,7 @@ export per result: {each["runs"]} runs, {each["commits"]} commits.
 
 
 def main() -> int:
-    from shared.contracts import LIBRARY
+    from shared.contracts.run import LIBRARY
     from shared.results.export import ExportKey
 
     parser = argparse.ArgumentParser(description="(internal) the window part of bench/export_scale.py")

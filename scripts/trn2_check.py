@@ -17,7 +17,6 @@ model, and exits 0 only when every run PASSes. `scripts/trn2-check.sh` runs this
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -31,7 +30,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from shared.contracts.enums import ErrorClass, Verdict  # noqa: E402
+from shared.contracts.report import Failure, RunReport, Subject  # noqa: E402
 from shared.cores import CoreGroup, pin_environment  # noqa: E402
+from shared.installed import installed_version  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -66,13 +68,6 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _package(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _dpkg(name: str) -> str | None:
     try:
         out = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", name], capture_output=True, text=True)
@@ -84,8 +79,8 @@ def _dpkg(name: str) -> str | None:
 def versions(backend: str) -> dict[str, str | None]:
     """What this machine runs, found without importing torch (the runs report their compiler too)."""
     found: dict[str, str | None] = {
-        "torch": _package("torch"),
-        "transformers": _package("transformers"),
+        "torch": installed_version("torch"),
+        "transformers": installed_version("transformers"),
     }
     if backend == "neuron":
         found |= {
@@ -93,8 +88,8 @@ def versions(backend: str) -> dict[str, str | None]:
             "neuron driver": _read("/sys/module/neuron/version"),
             "neuron runtime": _dpkg("aws-neuronx-runtime-lib"),
             "neuron collectives": _dpkg("aws-neuronx-collectives"),
-            "neuronx-cc": _package("neuronx-cc"),
-            "torch-neuronx": _package("torch-neuronx"),
+            "neuronx-cc": installed_version("neuronx-cc"),
+            "torch-neuronx": installed_version("torch-neuronx"),
         }
     return found
 
@@ -108,32 +103,44 @@ def command(check: Check, backend: str, models: Path | None) -> list[str]:
     return [*argv, "--backend", backend, "--cores", str(check.cores)]
 
 
-def report_of(out: str, returncode: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class CheckRun:
+    check: Check
+    group: CoreGroup
+    elapsed_s: float
+    report: RunReport
+
+
+def report_of(check: Check, backend: str, out: str, error: str) -> RunReport:
+    """The runner's report (its last JSON line), or an ERROR report saying why there is none."""
     for line in reversed(out.strip().splitlines()):
         if line.startswith("{"):
             try:
-                return json.loads(line)
-            except json.JSONDecodeError:
+                return RunReport.model_validate_json(line)
+            except ValueError:
                 break
-    return {"verdict": "ERROR", "error_class": "crash", "error_message": f"exit {returncode}, no report"}
+    subject = Subject(model_id=check.hub_id, task="text-generation", backend=backend)
+    return RunReport(subject=subject, verdict=Verdict.ERROR, failure=Failure(error_class=ErrorClass.crash,
+                     error_message=error))  # fmt: skip
 
 
-def run_one(check: Check, group: CoreGroup, backend: str, models: Path | None, timeout: float) -> dict[str, Any]:
+def run_one(check: Check, group: CoreGroup, backend: str, models: Path | None, timeout: float) -> CheckRun:
     started = time.monotonic()
     try:
         done = subprocess.run(
             command(check, backend, models), cwd=ROOT, env=os.environ | pin_environment(backend, group),
             capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
-        report = report_of(done.stdout, done.returncode)
-        if report.get("verdict") is None or done.returncode not in (0, 1, 3):
+        report = report_of(check, backend, done.stdout, f"exit {done.returncode}, no report")
+        if report.verdict is None or done.returncode not in (0, 1, 3):
             sys.stderr.write(done.stderr[-3000:])
     except subprocess.TimeoutExpired:
-        report = {"verdict": "ERROR", "error_class": "timeout", "error_message": f"no report after {timeout:.0f} s"}
-    return report | {"check": check.what, "group": str(group), "elapsed_s": time.monotonic() - started}
+        report = report_of(check, backend, "", f"no report after {timeout:.0f} s")
+        report.failure.error_class = ErrorClass.timeout
+    return CheckRun(check, group, time.monotonic() - started, report)
 
 
-def run_all(backend: str, models: Path | None, parallel: bool, timeout: float) -> list[dict[str, Any]]:
+def run_all(backend: str, models: Path | None, parallel: bool, timeout: float) -> list[CheckRun]:
     runs = [(check, group, backend, models, timeout) for check, group in zip(CHECKS, placements(CHECKS), strict=True)]
     if not parallel:
         return [run_one(*run) for run in runs]
@@ -145,17 +152,16 @@ def _num(value: Any, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if value is None else f"{value / scale:.{digits}f}"
 
 
-def table(reports: list[dict[str, Any]]) -> str:
+def table(runs: list[CheckRun]) -> str:
     header = ("check", "model", "verdict", "cores", "parallelism", "wall s", "compile s", "peak GiB", "compiler")
     rows = [header]
-    for r in reports:
-        verdict = r.get("verdict") or "-"
-        if r.get("error_class"):
-            verdict += f"({r['error_class']})"
+    for run in runs:
+        r = run.report
+        verdict = (r.verdict or "-") + (f"({r.failure.error_class})" if r.failure.error_class else "")
         rows.append((
-            r["check"], r.get("model_id", "-"), verdict, str(r.get("cores", "-")), r.get("parallelism") or "-",
-            _num(r.get("wall_s")), _num(r.get("compile_s")), _num(r.get("peak_memory_bytes"), 2**30, 2),
-            r.get("compiler_version") or "-",
+            run.check.what, r.subject.model_id, verdict, str(r.provenance.cores), r.placement.parallelism or "-",
+            _num(r.timings.wall_s), _num(r.timings.compile_s), _num(r.resources.peak_memory_bytes, 2**30, 2),
+            r.runtime.compiler_version if r.runtime else "-",
         ))  # fmt: skip
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
@@ -177,16 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     for name, version in versions(args.backend).items():
         print(f"{name}: {version or 'not found'}")
     print()
-    reports = run_all(args.backend, args.models, args.parallel, args.timeout_s)
-    print(table(reports))
+    runs = run_all(args.backend, args.models, args.parallel, args.timeout_s)
+    print(table(runs))
     if args.json:
+        reports = [{"check": run.check.what, "group": str(run.group), "elapsed_s": run.elapsed_s,
+                    "report": run.report.model_dump(mode="json")} for run in runs]  # fmt: skip
         args.json.write_text(json.dumps(reports, indent=2))
-    failed = [r["check"] for r in reports if r.get("verdict") != "PASS"]
+    failed = [run for run in runs if run.report.verdict != Verdict.PASS]
     if failed:
-        print(f"\nnot PASS: {', '.join(failed)}; each report's error_message and reproduce say more")
-        for r in reports:
-            if r.get("verdict") != "PASS" and r.get("error_message"):
-                print(f"- {r['check']}: {r['error_message'].strip().splitlines()[-1][:300]}")
+        print(f"\nnot PASS: {', '.join(run.check.what for run in failed)}; each report's error and reproduce say more")
+        for run in failed:
+            if run.report.failure.error_message:
+                print(f"- {run.check.what}: {run.report.failure.error_message.strip().splitlines()[-1][:300]}")
     return 1 if failed else 0
 
 

@@ -44,7 +44,7 @@ def die_with_parent() -> None:
 
 class ChildProcess(Protocol):
     """What callers use of a process they started: ``subprocess.Popen``, or one forked without a new interpreter
-    (``shared.zygote.ForkedProcess``, ``services.worker.host.ForkedWorker``)."""
+    (``shared.zygote_client.ForkedProcess``, ``services.worker.host.ForkedWorker``)."""
 
     pid: int
     returncode: int | None  # as Popen's: negative when killed by that signal

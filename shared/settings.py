@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-BackendName = Literal["cpu", "cuda", "neuron"]
+from shared.contracts.enums import BackendName
 
 
 class Settings(BaseSettings):
@@ -100,7 +100,7 @@ class Settings(BaseSettings):
     # This host's name: its verdict queue (a job's verdict stage runs where its artifacts are) and lease owners.
     host_name: str = Field(default_factory=socket.gethostname)
     verdict_workers: int = Field(1, ge=0, le=64, description="CPU workers of the verdict stage per host")
-    # The host launcher keeps a zygote (shared/zygote.py): runners fork from a process that has imported torch
+    # The host launcher keeps a zygote (shared/zygote_client.py): runners fork from a process that has imported torch
     # and transformers once, instead of importing them afresh, twice per stage, while the job's cores wait.
     zygote: bool = True
     # Set by the worker in the environment of a runner forked from the zygote: where its own children fork from.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from shared.enums import Task
+from shared.contracts.enums import Task
 
 PROMPT = "The history of the printing press begins in"
 NEW_TOKENS = 32
@@ -31,3 +31,10 @@ CONFIGS: dict[str, dict[str, object]] = {
 def config_hash(task: str) -> str:
     body = json.dumps({"task": task, **CONFIGS[task]}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def reference_key(model_id: str, sha: str, task: str, dtype: str, library_version: str, torch_version: str) -> str:
+    """The key of a stored CPU reference: what determines its output — the commit, the task and its test config,
+    the dtype, the library and torch versions."""
+    parts = [model_id, sha, task, config_hash(task), dtype, library_version, torch_version]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()

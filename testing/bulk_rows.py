@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from shared.enums import Task
+from shared.contracts.enums import Task
 from shared.jobs.queues import JOB_QUEUE_PREFIX, VERDICT_QUEUE_PREFIX
 from shared.testconfig import config_hash
 

@@ -177,8 +177,8 @@ def api(hub: Any) -> Iterator[Any]:
     from fastapi.testclient import TestClient
 
     from services.api.main import app
-    from shared.auth.scopes import Scope
     from shared.auth.tokens import create_token
+    from shared.contracts.enums import Scope
     from shared.db.engine import session_scope
 
     with session_scope() as session:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from shared.contracts import RunReport, RuntimeInfo
-from shared.enums import ErrorClass, Stage, Verdict
+from shared.contracts.enums import ErrorClass, Stage, Verdict
+from shared.contracts.report import RunReport
+from shared.contracts.run import RuntimeInfo
 from shared.hub.client import ResolvedModel
-from shared.jobs import rules as jobs
+from shared.jobs.lease import acquire_lease
+from shared.jobs.outcomes import finish
+from shared.jobs.submission import submit
 from shared.settings import Settings
 
 
@@ -26,14 +29,14 @@ def record(
 ) -> None:
     """One finished run of ``model`` under ``rt`` with ``verdict``, as a worker would have written it."""
     resolved = ResolvedModel(model_id=model, sha=sha, gated=False, pipeline_tag=None)
-    [sub] = jobs.submit(session, resolved, None, [rt], force=force)
-    jobs.acquire_lease(session, sub.job.id, "w", Settings(), Stage.accelerator)
+    [sub] = submit(session, resolved, None, [rt], force=force)
+    acquire_lease(session, sub.job.id, "w", Settings(), Stage.accelerator)
     error = ErrorClass.compile if verdict == Verdict.ERROR else None
-    jobs.finish(
+    finish(
         session,
         sub.job.id,
         "w",
-        RunReport(model_id=model, task="text-generation", backend="neuron", verdict=verdict, error_class=error,
+        RunReport.of(model_id=model, task="text-generation", backend="neuron", verdict=verdict, error_class=error,
                   cores=2, wall_s=12.5, peak_memory_bytes=3 << 30),
     )  # fmt: skip
     session.commit()

@@ -12,11 +12,14 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from shared.contracts import RunReport, RuntimeInfo
+from shared.contracts.enums import Verdict
+from shared.contracts.report import RunReport
+from shared.contracts.run import RuntimeInfo
 from shared.db.engine import session_scope
-from shared.enums import Verdict
 from shared.hub.client import ResolvedModel
-from shared.jobs import rules as jobs
+from shared.jobs.lease import acquire_lease
+from shared.jobs.outcomes import finish
+from shared.jobs.submission import submit
 from shared.settings import Settings, get_settings
 
 RUNTIME = RuntimeInfo(
@@ -31,14 +34,14 @@ def org() -> str:
     with session_scope() as session:
         for i, verdict in enumerate([Verdict.PASS, Verdict.FAIL, Verdict.PASS, Verdict.FAIL, Verdict.PASS]):
             model = ResolvedModel(model_id=f"{org}/m{i}", sha=f"{i:040d}", gated=False, pipeline_tag=None)
-            [sub] = jobs.submit(session, model, None, [RUNTIME])
+            [sub] = submit(session, model, None, [RUNTIME])
             session.flush()
-            jobs.acquire_lease(session, sub.job.id, "reader", get_settings())
-            jobs.finish(
+            acquire_lease(session, sub.job.id, "reader", get_settings())
+            finish(
                 session,
                 sub.job.id,
                 "reader",
-                RunReport(model_id=model.model_id, task="text-generation", backend="cpu", verdict=verdict),
+                RunReport.of(model_id=model.model_id, task="text-generation", backend="cpu", verdict=verdict),
             )
     return org
 
@@ -56,8 +59,8 @@ def test_results_page_with_a_cursor_and_filters(api: Any, org: str) -> None:
 
 def test_a_view_pages_in_its_rank_order(api: Any, org: str) -> None:
     """A sweep's view is paged by position in its rank order, not by job id: every row once, in rank order."""
+    from shared.contracts.enums import SweepState
     from shared.db.models import Job, Sweep, SweepEntry
-    from shared.enums import SweepState
 
     ranked = [f"{org}/m{i}" for i in (3, 0, 4, 1, 2)]
     with session_scope() as session:

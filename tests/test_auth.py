@@ -4,9 +4,6 @@ limit that Redis keeps for every API process."""
 from __future__ import annotations
 
 import datetime as dt
-import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,12 +15,11 @@ from fastapi.testclient import TestClient
 
 from services.api.deps import get_rate_limiter
 from services.api.ratelimit import RateLimiter
-from shared.auth.scopes import Scope
 from shared.auth.tokens import LAST_USE_RESOLUTION, authenticate, create_token, revoke_token
+from shared.contracts.enums import Scope
 from shared.db.engine import new_session, session_scope
 from shared.db.models import ApiToken, utcnow
 from shared.settings import get_settings
-from tests.conftest import ROOT
 
 MISSING_JOB = "/jobs/987654321"  # a write that passes auth answers 404, and changes nothing
 
@@ -110,33 +106,6 @@ def test_a_tokens_last_use_is_written_at_most_once_a_minute() -> None:
     stale = utcnow() - LAST_USE_RESOLUTION * 2
     restamped = use_after(stale)
     assert restamped is not None and restamped > stale + LAST_USE_RESOLUTION
-
-
-def test_the_token_command_creates_lists_and_revokes(anonymous: TestClient) -> None:
-    name = f"cli-{uuid.uuid4().hex[:8]}"
-
-    def command(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "services.api.tokens", *args],
-            cwd=ROOT,
-            env=os.environ,
-            capture_output=True,
-            text=True,
-        )
-
-    created = command("create", name, "--scope", "admin")
-    assert created.returncode == 0, created.stderr
-    token = created.stdout.strip()
-    assert token.startswith("smx_") and "\n" not in token
-    assert anonymous.delete(MISSING_JOB, headers=bearer(token)).status_code == 404
-    assert command("create", name).returncode == 1  # names are unique
-    listed = command("list")
-    line = next(line for line in listed.stdout.splitlines() if line.startswith(name))
-    assert "admin" in line and token not in listed.stdout and token not in listed.stderr
-    assert command("revoke", name).returncode == 0
-    assert anonymous.delete(MISSING_JOB, headers=bearer(token)).status_code == 401
-    assert command("revoke", "no-such-token").returncode == 1
-    assert command("create", "bad name").returncode == 2
 
 
 def test_the_rate_limit_is_per_token_shared_by_api_processes_and_answers_429_with_retry_after(

@@ -3,9 +3,11 @@ runner never imports a database or broker client; a runner's environment holds n
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,59 @@ def test_services_do_not_import_torch_or_the_runner(module: str) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# The floors of shared/, ground first: a module imports only from its own floor or below. The contracts are pure
+# records; settings and the per-machine facts build on them; then the database schema and the Hub; then the rules
+# on results and tokens; the job rules on top.
+FLOORS = [
+    {"shared.contracts"},
+    {"shared.settings", "shared.testconfig", "shared.installed", "shared.cores", "shared.processes",
+     "shared.zygote_client"},
+    {"shared.db", "shared.hub"},
+    {"shared.auth", "shared.results"},
+    {"shared.jobs"},
+]  # fmt: skip
+
+
+def _floor(module: str) -> int:
+    """The floor of ``shared.x.y``: that of its package ``shared.x``."""
+    package = ".".join(module.split(".")[:2])
+    [floor] = [i for i, rooms in enumerate(FLOORS) if package in rooms]
+    return floor
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at its top or inside a function."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_no_module_of_shared_imports_one_from_a_floor_above_and_the_contracts_import_nothing() -> None:
+    modules = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in (ROOT / "shared").rglob("*.py")
+    }
+    upward, contracts = [], []
+    for module, path in sorted(modules.items()):
+        for imported in sorted(m for m in _imports(path) if m in modules):
+            if module.startswith("shared.contracts") and not imported.startswith("shared.contracts"):
+                contracts.append(f"{module} imports {imported}")
+            elif _floor(imported) > _floor(module):
+                upward.append(f"{module} imports {imported}")
+        for imported in _imports(path):
+            if module.startswith("shared.contracts"):
+                assert imported.split(".")[0] not in ("services", "testing", "sqlalchemy", "pyarrow"), (
+                    module,
+                    imported,
+                )
+    assert contracts == [] and upward == []
+    assert all(m in modules for m in ("shared.contracts.report", "shared.jobs.outcomes", "shared.db.models"))
 
 
 def test_shared_imports_nothing_from_services() -> None:
@@ -87,17 +142,3 @@ def test_an_accelerator_stage_gets_the_hub_token_only_when_gated_and_no_cache_to
     assert accelerator_secrets(gated, settings, "hf_read")["HF_TOKEN"] == "hf_read"
     assert accelerator_secrets(coded, settings, "hf_read") == {}  # a repo's own code never holds the cache token
     assert accelerator_secrets(gated, Settings(), None) == {}
-
-
-def test_the_readmes_layout_table_matches_the_tree() -> None:
-    """Every path the layout table names exists, and every package of services/ and shared/ is named."""
-    text = (ROOT / "README.md").read_text()
-    table = text[text.index("### Layout") : text.index("### How a job runs")]
-    named = [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")]
-    assert named and [p for p in named if not (ROOT / p).exists()] == []
-    packages = [
-        f"{path.parent.relative_to(ROOT).as_posix()}/"
-        for top in ("services", "shared")
-        for path in (ROOT / top).glob("*/__init__.py")
-    ]
-    assert sorted(p for p in packages if p not in named) == []

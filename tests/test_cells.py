@@ -6,9 +6,9 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from shared.contracts import RuntimeInfo
+from shared.contracts.enums import Verdict
+from shared.contracts.run import RuntimeInfo
 from shared.db.engine import new_session
-from shared.enums import Verdict
 from shared.results.cells import CellStatus, cell_status, cells, diff, flips
 from tests.history import record, runtime
 

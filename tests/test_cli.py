@@ -24,14 +24,13 @@ import pandas as pd
 import pytest
 import sqlalchemy as sa
 
-from shared.auth.scopes import Scope
 from shared.auth.tokens import create_token
-from shared.contracts import RunRequest
+from shared.contracts.enums import Scope, Verdict
+from shared.contracts.run import RunRequest
 from shared.db.engine import new_session, session_scope
 from shared.db.models import Job
-from shared.enums import Verdict
 from shared.hub.client import ResolvedModel
-from shared.jobs import rules as jobs
+from shared.jobs.submission import submit
 from shared.processes import free_port
 from shared.settings import get_settings
 from tests.conftest import ROOT
@@ -121,7 +120,7 @@ def seeded() -> dict[str, int]:
             record(session, f"{SEED}/{model}", old, before)
             record(session, f"{SEED}/{model}", new, after)
         waiting = ResolvedModel(model_id=f"{SEED}/waiting", sha="c" * 40, gated=False, pipeline_tag=None)
-        [queued] = jobs.submit(session, waiting, None, [new])
+        [queued] = submit(session, waiting, None, [new])
         session.commit()
         done = session.scalar(sa.select(Job.id).where(Job.model_id == f"{SEED}/steady", Job.compiler_version == NEW))
         return {"queued": queued.job.id, "done": done}
@@ -250,8 +249,8 @@ def test_sweep_starts_one_shows_it_and_waits_for_it(api_url: str, admin_token: s
     shared control queue would be run later by another module's control worker. The sweep is then finished in
     SQL, as a control worker would, for `--wait` to see it end."""
     from services.api.main import app
+    from shared.contracts.enums import SweepState
     from shared.db.models import Sweep, utcnow
-    from shared.enums import SweepState
     from shared.jobs.broker import get_producer
 
     one_line_error(cli(api_url, "sweep", token=new_token(Scope.submit)), "(403)", "admin")
@@ -297,15 +296,24 @@ def test_export_writes_the_parquet_files_here(api_url: str, seeded: dict[str, in
 
 
 def test_tokens_create_list_revoke(api_url: str) -> None:
+    """The one token command: a token it creates is accepted by the API, listed without itself, refused once
+    revoked; a taken name is an error (1), a bad one bad usage (2)."""
     name = f"cli-made-{uuid.uuid4().hex[:8]}"
     created = cli(api_url, "tokens", "create", name, "--scope", "submit")
     token = ok(created).strip()
-    assert token.startswith("smx_") and "not shown again" in created.stderr
-    listed, unknown = cli_at_once(api_url, ("tokens", "list"), ("tokens", "revoke", f"{name}-nobody"))
+    assert token.startswith("smx_") and "\n" not in token and "not shown again" in created.stderr
+    cancel_missing_job = {"url": f"{api_url}/jobs/987654321", "headers": {"Authorization": f"Bearer {token}"}}
+    assert httpx.delete(**cancel_missing_job).status_code == 404  # past authentication: no such job
+    listed, unknown, taken, bad = cli_at_once(
+        api_url, ("tokens", "list"), ("tokens", "revoke", f"{name}-nobody"), ("tokens", "create", name),
+        ("tokens", "create", "bad name"),
+    )  # fmt: skip
     [row] = [line for line in ok(listed).splitlines() if name in line]
-    assert "submit" in row and token not in listed.stdout
+    assert "submit" in row and token not in listed.stdout + listed.stderr
     one_line_error(unknown, "no token named")
+    assert taken.returncode == 1 and bad.returncode == 2, (taken.stderr, bad.stderr)
     assert ok(cli(api_url, "tokens", "revoke", name)).startswith(f"token '{name}' revoked at ")
+    assert httpx.delete(**cancel_missing_job).status_code == 401
 
 
 def test_submit_wait_follows_a_real_job_to_pass(passing_submission: subprocess.Popen[str]) -> None:

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from services.worker.supervise import runner_command
-from shared.contracts import RUNNER_MODULE, RunRequest
-from shared.enums import Stage, Task
+from shared.contracts.enums import Stage, Task
+from shared.contracts.run import RUNNER_MODULE, RunRequest
 from tests.conftest import ROOT
 
 JOB_REQUEST = RunRequest(

@@ -1,5 +1,5 @@
 """The deployment: docker-compose.yml validates for both profiles and, run natively, does a job end to end;
-the images are pinned to what the README states.
+the images are pinned to what the operations page (docs/operations.md) states.
 
 There is no Docker daemon here: `docker-compose config` (Debian's v1 package) validates the file, and
 testing.compose runs each service's command with the environment and healthcheck the file gives it.
@@ -157,7 +157,7 @@ def pinned_versions() -> dict[str, str]:
     return found
 
 
-def test_both_images_are_pinned_and_the_readme_states_the_pins() -> None:
+def test_both_images_are_pinned_and_the_operations_page_states_the_pins() -> None:
     pins = pinned_versions()
     for name in ("Dockerfile", "Dockerfile.neuron"):
         [base] = [args.split()[0] for instruction, args in dockerfile(name) if instruction == "FROM"]
@@ -170,12 +170,12 @@ def test_both_images_are_pinned_and_the_readme_states_the_pins() -> None:
     for service, spec in (compose_services("trn2") | compose_services("cpu")).items():
         image = spec["image"]
         assert re.fullmatch(r"[\w./-]+:[\w.-]+", image) and not image.endswith(":latest"), (service, image)
-    readme = (ROOT / "README.md").read_text()
-    assert "## Run the stack" in readme, "README lacks its 'Run the stack' section"
-    section = readme[readme.index("## Run the stack") :]
-    section = section[: section.find("\n## ", 3) if "\n## " in section[3:] else len(section)]
+    page = (ROOT / "docs" / "operations.md").read_text()
+    assert "### The images and their pins" in page, "docs/operations.md lacks its pins section"
+    section = page[page.index("### The images and their pins") :]
+    section = section[: section.find("\n## ") if "\n## " in section else len(section)]
     missing = {what: version for what, version in pins.items() if version.rstrip("*") not in section}
-    assert missing == {}, "pinned in the images, not stated in README 'Run the stack'"
+    assert missing == {}, "pinned in the images, not stated in docs/operations.md 'The images and their pins'"
 
 
 def test_each_image_installs_the_project_without_re_resolving_torch() -> None:
@@ -273,7 +273,7 @@ def test_the_compose_stack_runs_a_job_as_local_processes(
         prometheus = scraping.enter_context(running_prometheus(stack.port("api", 8000), tmp_path / "prometheus"))
         api_env = stack.services["api"].env
         token = subprocess.run(
-            ["python", "-m", "services.api.tokens", "create", "compose-smoke", "--scope", "submit"],
+            ["python", "-m", "services.cli", "tokens", "create", "compose-smoke", "--scope", "submit"],
             cwd=ROOT, env=api_env, capture_output=True, text=True, check=True, timeout=60,
         ).stdout.strip()  # fmt: skip
         base = f"http://127.0.0.1:{stack.port('api', 8000)}"

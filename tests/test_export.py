@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 from sqlalchemy.orm import Session
 
-from shared.enums import Verdict
+from shared.contracts.enums import Verdict
 from shared.results.export import export_results
 from shared.results.records import COLUMNS
 from tests.history import record, runtime

@@ -20,9 +20,9 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from shared.contracts import RuntimeInfo
+from shared.contracts.enums import Verdict
+from shared.contracts.run import RuntimeInfo
 from shared.db.models import Job, Result
-from shared.enums import Verdict
 from shared.jobs.broker import (
     EXPORT_SCHEDULED_KEY,
     PENDING_EXPORTS_KEY,

@@ -15,11 +15,13 @@ from sqlalchemy.orm import Session
 
 from services.runner.failures import RunFailure, phase
 from services.runner.stages import failed
-from shared.contracts import RunReport
+from shared.contracts.enums import ErrorClass, Stage, Verdict
+from shared.contracts.report import RunReport
 from shared.db.models import Job, Result
-from shared.enums import ErrorClass, Stage, Verdict
 from shared.hub.client import ResolvedModel
-from shared.jobs import rules as jobs
+from shared.jobs.lease import acquire_lease
+from shared.jobs.outcomes import finish, job_report
+from shared.jobs.submission import submit
 from shared.settings import Settings
 from tests.conftest import fresh_database
 from tests.history import runtime
@@ -74,11 +76,12 @@ def test_a_recompile_limit_hit_is_a_compile_error_with_the_guard_and_the_graphs_
         "value that changes at every call, such as every decode step: n == 7 at "  # the guard, and its line
     )
     assert first_line.endswith(f"test_failures.py:{step.__code__.co_firstlineno + 1} in step")
-    report = failed(RunReport(model_id="org/m", task="text-generation", backend="cpu"), failure)
-    assert report.failure_signature is not None and report.failure_signature.startswith(
+    report = failed(RunReport.of(model_id="org/m", task="text-generation", backend="cpu"), failure)
+    signature = report.failure.failure_signature
+    assert signature is not None and signature.startswith(
         "ERROR(compile): FailOnRecompileLimitHit: recompile limit hit: dynamo compiled <n> graphs"
     )
-    assert report.failure_signature.endswith(".py:<n> in step @ torch._dynamo.convert_frame:_compile")
+    assert signature.endswith(".py:<n> in step @ torch._dynamo.convert_frame:_compile")
 
 
 def build_tiny_mistral(out: Path) -> Path:
@@ -107,19 +110,19 @@ def test_mistrals_sliding_window_cache_recompiling_per_token_ends_in_a_compile_e
     from tests.test_runner import run_local
 
     code, report = run_local(build_tiny_mistral(tmp_path / "tiny-mistral"))
-    assert code == 3 and report["verdict"] == "ERROR", report
-    assert report["error_class"] == "compile", report["error_message"]
-    assert report["error_message"].startswith("accelerator: FailOnRecompileLimitHit: recompile limit hit: ")
-    assert "cumulative_length_int == " in report["error_message"]
-    assert "at transformers/cache_utils.py:" in report["error_message"]
+    assert code == 3 and report.verdict == "ERROR", report
+    assert report.failure.error_class == "compile", report.failure.error_message
+    assert report.failure.error_message.startswith("accelerator: FailOnRecompileLimitHit: recompile limit hit: ")
+    assert "cumulative_length_int == " in report.failure.error_message
+    assert "at transformers/cache_utils.py:" in report.failure.error_message
     # a graph per decode step until dynamo's recompile limit (8), named in the message; a model compiling once: 2
-    assert report["graphs_compiled"] == 8 and "(recompile_limit 8)" in report["error_message"]
-    assert report["failure_signature"].startswith("ERROR(compile): FailOnRecompileLimitHit: recompile limit hit: ")
-    assert report["failure_signature"].endswith(
+    assert report.resources.graphs_compiled == 8 and "(recompile_limit 8)" in report.failure.error_message
+    assert report.failure.failure_signature.startswith("ERROR(compile): FailOnRecompileLimitHit: recompile limit hit: ")
+    assert report.failure.failure_signature.endswith(
         ": kwargs['cache'].layers[<n>].cumulative_length_int == <n> at transformers/cache_utils.py:<n> in update"
         " @ torch._dynamo.convert_frame:_compile"
     )
-    assert len(report["signature_id"]) == 16
+    assert len(report.failure.signature_id) == 16
 
 
 # --- GET /failures -------------------------------------------------------------------------------------
@@ -148,9 +151,9 @@ def plant(session: Session, model: str, compiler: str, outcome: Any) -> None:
     """One finished job of ``model`` under ``compiler``, written by the job rules as a worker writes it;
     ``outcome`` makes its report from the job (the runner's, or the worker's own)."""
     resolved = ResolvedModel(model_id=model, sha="c" * 40, gated=False, pipeline_tag=None)
-    [sub] = jobs.submit(session, resolved, None, [runtime(compiler, "5.24.0")], force=True)
-    jobs.acquire_lease(session, sub.job.id, "w", Settings(), Stage.accelerator)
-    assert jobs.finish(session, sub.job.id, "w", outcome(sub.job))
+    [sub] = submit(session, resolved, None, [runtime(compiler, "5.24.0")], force=True)
+    acquire_lease(session, sub.job.id, "w", Settings(), Stage.accelerator)
+    assert finish(session, sub.job.id, "w", outcome(sub.job))
     session.commit()
 
 
@@ -160,13 +163,13 @@ def runner_error(rank: str, graphs: int) -> Any:
     def report(job: Job) -> RunReport:
         failure = RunFailure(ErrorClass.compile, f"{rank}: " + RECOMPILE.format(n=graphs, k=graphs + 9), TRACE,
                              origin=rank, graphs_compiled=graphs)  # fmt: skip
-        return failed(RunReport(model_id=job.model_id, task=job.task, backend="neuron", cores=1), failure)
+        return failed(RunReport.of(model_id=job.model_id, task=job.task, backend="neuron", cores=1), failure)
 
     return report
 
 
 def fail(gap: float) -> Any:
-    return lambda job: RunReport(model_id=job.model_id, task=job.task, backend="neuron", verdict=Verdict.FAIL,
+    return lambda job: RunReport.of(model_id=job.model_id, task=job.task, backend="neuron", verdict=Verdict.FAIL,
                                  verdict_reason=f"prefill logits differ from the reference by {gap:.3g} "
                                  "(relative; tolerance 0.05)")  # fmt: skip
 
@@ -174,11 +177,11 @@ def fail(gap: float) -> Any:
 def timeout(limit_s: int) -> Any:
     """The worker's own report: it killed the runner, which wrote nothing."""
     message = f"runner exceeded the {limit_s} s limit and was killed"
-    return lambda job: jobs.job_report(job, Verdict.ERROR, ErrorClass.timeout, message)
+    return lambda job: job_report(job, Verdict.ERROR, ErrorClass.timeout, message)
 
 
 def passed(job: Job) -> RunReport:
-    return RunReport(model_id=job.model_id, task=job.task, backend="neuron", verdict=Verdict.PASS)
+    return RunReport.of(model_id=job.model_id, task=job.task, backend="neuron", verdict=Verdict.PASS)
 
 
 RECOMPILE_SIGNATURE = (

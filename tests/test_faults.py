@@ -32,11 +32,11 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from shared.contracts.enums import FINISHED_STATES, ErrorClass, JobState, Stage, SweepState
 from shared.db.models import Job, Result, Sweep, SweepEntry, utcnow
-from shared.enums import FINISHED_STATES, ErrorClass, JobState, Stage, SweepState
+from shared.jobs.attempts import Attempt, attempts
 from shared.jobs.broker import make_celery, request_sweep
 from shared.jobs.dispatch import commit_and_enqueue
-from shared.jobs.rules import Attempt, attempts
 from shared.jobs.submission import Request, submit_model
 from shared.jobs.sweeps import open_sweep
 from shared.processes import free_port

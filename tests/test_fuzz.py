@@ -19,8 +19,8 @@ from sqlalchemy.orm import Session
 from services.api.deps import get_rate_limiter, get_session
 from services.api.main import create_app
 from services.api.ratelimit import RateLimiter
-from shared.auth.scopes import Scope
 from shared.auth.tokens import create_token
+from shared.contracts.enums import Scope
 from shared.db.engine import make_engine
 from shared.db.migrate import upgrade
 from shared.jobs.broker import get_producer, make_celery

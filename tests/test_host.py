@@ -113,7 +113,7 @@ def test_the_launcher_process_forks_its_workers_and_stops_them(api: Any, tmp_pat
 def test_a_hosts_runtime_is_described_once_and_kept(tmp_path: Path) -> None:
     """Workers after the first start without a runner child: the description is kept per installation."""
     from services.worker.__main__ import describe_runtime
-    from shared.jobs.rules import default_runtime
+    from shared.jobs.runtimes import default_runtime
 
     settings = get_settings().model_copy(update={"data_dir": tmp_path})
     first = describe_runtime(settings)  # asked of a runner child

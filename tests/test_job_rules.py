@@ -9,12 +9,16 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from shared.contracts import RunReport, RuntimeInfo
+from shared.contracts.enums import ErrorClass, JobState, Stage, Verdict
+from shared.contracts.report import RunReport
+from shared.contracts.run import RuntimeInfo
 from shared.db.models import Job, Result, Worker, utcnow
-from shared.enums import ErrorClass, JobState, Stage, Verdict
 from shared.hub.client import ResolvedModel
-from shared.jobs import rules as jobs
-from shared.jobs.rules import Claim
+from shared.jobs.attempts import attempts
+from shared.jobs.lease import Claim, acquire_lease, heartbeat, release_for_verdict
+from shared.jobs.outcomes import JobFinished, JobNotFound, cancel, finish, settle
+from shared.jobs.runtimes import NoRuntime, UnknownCompiler, plan_runtimes, served_runtimes
+from shared.jobs.submission import submit
 from shared.settings import Settings
 
 RUNTIME = RuntimeInfo(
@@ -33,37 +37,39 @@ def settings(tmp_path: Path) -> Settings:
 
 
 def report(verdict: Verdict = Verdict.PASS, error_class: ErrorClass | None = None) -> RunReport:
-    return RunReport(model_id="org/m", task="text-generation", backend="cpu", verdict=verdict, error_class=error_class)
+    return RunReport.of(
+        model_id="org/m", task="text-generation", backend="cpu", verdict=verdict, error_class=error_class
+    )
 
 
 def new_job(session: Session, force: bool = False) -> Job:
-    [submitted] = jobs.submit(session, MODEL, None, [RUNTIME], force=force)
+    [submitted] = submit(session, MODEL, None, [RUNTIME], force=force)
     session.commit()
     return submitted.job
 
 
 def test_a_leased_job_cannot_be_leased_again(session: Session, settings: Settings) -> None:
     job = new_job(session)
-    assert jobs.acquire_lease(session, job.id, "w1", settings)[0] == Claim.taken
-    assert jobs.acquire_lease(session, job.id, "w2", settings)[0] == Claim.held  # deliver again later
-    assert jobs.finish(session, job.id, "w2", report()) is False  # not the lease owner
-    assert jobs.finish(session, job.id, "w1", report()) is True
+    assert acquire_lease(session, job.id, "w1", settings)[0] == Claim.taken
+    assert acquire_lease(session, job.id, "w2", settings)[0] == Claim.held  # deliver again later
+    assert finish(session, job.id, "w2", report()) is False  # not the lease owner
+    assert finish(session, job.id, "w1", report()) is True
     session.commit()
-    assert jobs.acquire_lease(session, job.id, "w1", settings)[0] == Claim.gone  # done: a redelivery does nothing
+    assert acquire_lease(session, job.id, "w1", settings)[0] == Claim.gone  # done: a redelivery does nothing
     assert session.scalar(sa.select(sa.func.count()).select_from(Result)) == 1
     assert session.get(Job, job.id, populate_existing=True).state == JobState.done
 
 
 def test_a_stale_lease_is_taken_over_until_attempts_run_out(session: Session, settings: Settings) -> None:
     job = new_job(session)
-    assert jobs.acquire_lease(session, job.id, "w1", settings)[0] == Claim.taken
+    assert acquire_lease(session, job.id, "w1", settings)[0] == Claim.taken
     stale = utcnow() - dt.timedelta(seconds=settings.lease_timeout_s + 1)
     session.execute(sa.update(Job).values(heartbeat_at=stale))
-    claim, taken = jobs.acquire_lease(session, job.id, "w2", settings)
+    claim, taken = acquire_lease(session, job.id, "w2", settings)
     assert claim == Claim.taken and taken is not None and taken.attempts == 2 and taken.lease_owner == "w2"
-    assert jobs.heartbeat(session, job.id, "w1") is False  # the old owner learns it lost the lease
+    assert heartbeat(session, job.id, "w1") is False  # the old owner learns it lost the lease
     session.execute(sa.update(Job).values(heartbeat_at=stale))
-    assert jobs.acquire_lease(session, job.id, "w3", settings)[0] == Claim.gone  # max_attempts=2 reached
+    assert acquire_lease(session, job.id, "w3", settings)[0] == Claim.gone  # max_attempts=2 reached
     session.commit()
     job = session.get(Job, job.id, populate_existing=True)
     assert job.state == JobState.failed and job.error_class == ErrorClass.worker_lost
@@ -72,44 +78,44 @@ def test_a_stale_lease_is_taken_over_until_attempts_run_out(session: Session, se
 
 def test_cancelled_job_is_never_run_or_written(session: Session, settings: Settings) -> None:
     job = new_job(session)
-    assert jobs.acquire_lease(session, job.id, "w1", settings)[0] == Claim.taken
-    jobs.cancel(session, job.id)
+    assert acquire_lease(session, job.id, "w1", settings)[0] == Claim.taken
+    cancel(session, job.id)
     session.commit()
-    assert jobs.heartbeat(session, job.id, "w1") is False
-    assert jobs.finish(session, job.id, "w1", report()) is False
+    assert heartbeat(session, job.id, "w1") is False
+    assert finish(session, job.id, "w1", report()) is False
     queued = new_job(session, force=True)
-    jobs.cancel(session, queued.id)
-    assert jobs.acquire_lease(session, queued.id, "w1", settings)[0] == Claim.gone
-    with pytest.raises(jobs.JobNotFound):
-        jobs.cancel(session, 12345)
+    cancel(session, queued.id)
+    assert acquire_lease(session, queued.id, "w1", settings)[0] == Claim.gone
+    with pytest.raises(JobNotFound):
+        cancel(session, 12345)
 
 
 def test_the_verdict_stage_is_taken_from_judging_after_the_cores_are_released(
     session: Session, settings: Settings
 ) -> None:
     job = new_job(session)
-    assert jobs.acquire_lease(session, job.id, "acc", settings)[0] == Claim.taken
+    assert acquire_lease(session, job.id, "acc", settings)[0] == Claim.taken
     # a verdict stage cannot start while the accelerator stage runs
-    assert jobs.acquire_lease(session, job.id, "v1", settings, Stage.verdict)[0] == Claim.gone
-    assert jobs.release_for_verdict(session, job.id, "acc", "supportmatrix.verdict.h", "2.13.0")
+    assert acquire_lease(session, job.id, "v1", settings, Stage.verdict)[0] == Claim.gone
+    assert release_for_verdict(session, job.id, "acc", "supportmatrix.verdict.h", "2.13.0")
     job = session.get(Job, job.id, populate_existing=True)
     assert job.state == JobState.judging and job.lease_owner is None and job.verdict_queue == "supportmatrix.verdict.h"
-    assert jobs.finish(session, job.id, "acc", report()) is False  # the accelerator stage holds nothing now
+    assert finish(session, job.id, "acc", report()) is False  # the accelerator stage holds nothing now
     # the accelerator stage's message, redelivered, is spent; the verdict stage takes the job once
-    assert jobs.acquire_lease(session, job.id, "acc2", settings)[0] == Claim.gone
-    assert jobs.acquire_lease(session, job.id, "v1", settings, Stage.verdict)[0] == Claim.taken
-    assert jobs.acquire_lease(session, job.id, "v2", settings, Stage.verdict)[0] == Claim.held
+    assert acquire_lease(session, job.id, "acc2", settings)[0] == Claim.gone
+    assert acquire_lease(session, job.id, "v1", settings, Stage.verdict)[0] == Claim.taken
+    assert acquire_lease(session, job.id, "v2", settings, Stage.verdict)[0] == Claim.held
     # an owner known to be dead is taken over at once, without waiting for its lease to lapse
-    claim, taken = jobs.acquire_lease(session, job.id, "v2", settings, Stage.verdict, dead_owner="v1")
+    claim, taken = acquire_lease(session, job.id, "v2", settings, Stage.verdict, dead_owner="v1")
     assert claim == Claim.taken and taken is not None and taken.verdict_attempts == 2 and taken.attempts == 1
-    assert jobs.heartbeat(session, job.id, "v1") is False and jobs.heartbeat(session, job.id, "v2") is True
+    assert heartbeat(session, job.id, "v1") is False and heartbeat(session, job.id, "v2") is True
     # max_attempts=2: a third verdict delivery ends the job ERROR(worker_lost), with one result row
-    assert jobs.acquire_lease(session, job.id, "v3", settings, Stage.verdict, dead_owner="v2")[0] == Claim.gone
+    assert acquire_lease(session, job.id, "v3", settings, Stage.verdict, dead_owner="v2")[0] == Claim.gone
     session.commit()
     job = session.get(Job, job.id, populate_existing=True)
     assert job.state == JobState.failed and job.error_class == ErrorClass.worker_lost
     assert "verdict stage was delivered 2 times" in (job.error_message or "")
-    log = jobs.attempts(job)
+    log = attempts(job)
     assert [(a.stage, a.owner) for a in log] == [
         (Stage.accelerator, "acc"),
         (Stage.verdict, "v1"),
@@ -127,28 +133,28 @@ def test_the_verdict_stage_is_taken_from_judging_after_the_cores_are_released(
 
 def test_settle_ends_a_queued_job_without_a_lease(session: Session, settings: Settings) -> None:
     job = new_job(session)
-    jobs.settle(session, job, Verdict.SKIPPED, ErrorClass.too_large, "needs 32 cores")
+    settle(session, job, Verdict.SKIPPED, ErrorClass.too_large, "needs 32 cores")
     session.commit()
     assert job.state == JobState.done and job.lease_owner is None and job.error_class == ErrorClass.too_large
     assert job.result is not None and job.result.verdict == Verdict.SKIPPED
     with pytest.raises(AssertionError, match="no longer queued"):
-        jobs.settle(session, job, Verdict.SKIPPED, ErrorClass.too_large, "twice")
+        settle(session, job, Verdict.SKIPPED, ErrorClass.too_large, "twice")
 
 
 def test_finished_jobs_cannot_be_cancelled(session: Session, settings: Settings) -> None:
     job = new_job(session)
-    jobs.acquire_lease(session, job.id, "w1", settings)
-    jobs.finish(session, job.id, "w1", report(Verdict.ERROR, ErrorClass.compile))
+    acquire_lease(session, job.id, "w1", settings)
+    finish(session, job.id, "w1", report(Verdict.ERROR, ErrorClass.compile))
     assert session.get(Job, job.id, populate_existing=True).state == JobState.failed
-    with pytest.raises(jobs.JobFinished):
-        jobs.cancel(session, job.id)
+    with pytest.raises(JobFinished):
+        cancel(session, job.id)
 
 
 def test_submission_deduplicates_and_the_database_refuses_a_second_active_job(session: Session) -> None:
     first = new_job(session)
-    [again] = jobs.submit(session, MODEL, "main", [RUNTIME])
+    [again] = submit(session, MODEL, "main", [RUNTIME])
     assert not again.created and again.job.id == first.id
-    [forced] = jobs.submit(session, MODEL, None, [RUNTIME], force=True)
+    [forced] = submit(session, MODEL, None, [RUNTIME], force=True)
     assert not forced.created  # force never doubles an active job
     duplicate = Job(**{c: getattr(first, c) for c in ("model_id", "sha", "task", "compiler_name",
                     "compiler_version", "library", "library_version", "backend", "queue", "config_hash")})  # fmt: skip
@@ -158,9 +164,9 @@ def test_submission_deduplicates_and_the_database_refuses_a_second_active_job(se
 
 
 def test_runtimes_come_from_live_workers_else_the_default(session: Session, settings: Settings) -> None:
-    with pytest.raises(jobs.NoRuntime):
-        jobs.plan_runtimes(session, settings.model_copy(update={"backend": "neuron"}), None)
-    default = jobs.plan_runtimes(session, settings.model_copy(update={"default_compiler": "x-1"}), None)
+    with pytest.raises(NoRuntime):
+        plan_runtimes(session, settings.model_copy(update={"backend": "neuron"}), None)
+    default = plan_runtimes(session, settings.model_copy(update={"default_compiler": "x-1"}), None)
     assert [r.compiler_version for r in default] == ["x-1"]
     for name, version, beat in [("a", "c-1", utcnow()), ("b", "c-2", utcnow() - dt.timedelta(hours=1))]:
         session.add(
@@ -169,9 +175,9 @@ def test_runtimes_come_from_live_workers_else_the_default(session: Session, sett
                    queue="q", heartbeat_at=beat)
         )  # fmt: skip
     session.flush()
-    assert [r.compiler_version for r in jobs.plan_runtimes(session, settings, None)] == ["c-1"]
-    with pytest.raises(jobs.UnknownCompiler, match="'c-2' is not served"):
-        jobs.plan_runtimes(session, settings, ["c-2"])
+    assert [r.compiler_version for r in plan_runtimes(session, settings, None)] == ["c-1"]
+    with pytest.raises(UnknownCompiler, match="'c-2' is not served"):
+        plan_runtimes(session, settings, ["c-2"])
 
 
 def test_each_compiler_and_library_is_served_by_the_runtime_of_its_first_live_worker(
@@ -185,5 +191,5 @@ def test_each_compiler_and_library_is_served_by_the_runtime_of_its_first_live_wo
                    queue="q")
         )  # fmt: skip
     session.flush()
-    served = jobs.served_runtimes(session, settings)
+    served = served_runtimes(session, settings)
     assert [(r.compiler_version, r.torch_version) for r in served] == [("c-1", "t-1"), ("c-2", "t-1")]

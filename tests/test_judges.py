@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from services.runner.judges import PROMPT_HASH, QUESTION, LikelihoodJudge, LocalLMJudge, OpenAIJudge, make_judge
-from shared.contracts import VerdictOutput
+from shared.contracts.handoffs import VerdictOutput
 from shared.processes import free_port
 from shared.settings import Settings
 from tests.conftest import ROOT, RUN_DIR
@@ -131,20 +131,22 @@ def test_a_judge_decides_a_sharded_bf16_run_whose_numbers_are_inconclusive(
         and numbers.verdict_reason.startswith("step 4: ")
         and "not a near tie" in numbers.verdict_reason
     )
-    assert numbers.first_divergence == 4
+    assert numbers.comparison.first_divergence == 4
     # with it: PASS, and the audit fields say who decided and why
-    assert report["verdict"] == "PASS" and report["cores"] == 2 and report["compiler_version"].endswith("-bf16")
-    assert "finds it fluent" in report["verdict_reason"] and report["first_divergence"] == 4
-    assert report["judge_kind"] == "openai" and report["judge_model"] == "tiny-judge"
-    assert report["judge_prompt_hash"] == PROMPT_HASH
-    assert report["judge_answer"] == "Yes, it reads as English. / Yes, it reads as English."
+    assert (
+        report.verdict == "PASS" and report.provenance.cores == 2 and report.runtime.compiler_version.endswith("-bf16")
+    )
+    assert "finds it fluent" in report.verdict_reason and report.comparison.first_divergence == 4
+    assert report.judge.judge_kind == "openai" and report.judge.judge_model == "tiny-judge"
+    assert report.judge.judge_prompt_hash == PROMPT_HASH
+    assert report.judge.judge_answer == "Yes, it reads as English. / Yes, it reads as English."
     asked = [json.loads(line) for line in log.read_text().splitlines()]
     assert [a["prompt"] for a in asked] == [
-        QUESTION.format(text=report["generated_text"]), QUESTION.format(text=report["reference_text"])
+        QUESTION.format(text=report.comparison.generated_text), QUESTION.format(text=report.comparison.reference_text)
     ]  # fmt: skip
     assert {(a["path"], a["auth"], a["model"], a["temperature"]) for a in asked} == {
         ("/v1/chat/completions", "Bearer judge-secret", "tiny-judge", 0)
     }
     # the default judge weighs only the likelihoods: the same hand-off, judged by it, keeps the numbers' FAIL
     code, likelihood = run_local(tiny_models / "tiny-llama", "--stage", "judge", "--artifacts", str(artifacts))
-    assert likelihood["verdict"] == "FAIL" and likelihood["judge_kind"] == "likelihood"
+    assert likelihood.verdict == "FAIL" and likelihood.judge.judge_kind == "likelihood"

@@ -63,8 +63,8 @@ def ago(seconds: float) -> dt.datetime:
 
 
 def seed(session: Any) -> None:
+    from shared.contracts.enums import ErrorClass, JobState, SweepState, Verdict
     from shared.db.models import Job, QueueSeen, Result, Sweep, SweepEntry, Worker
-    from shared.enums import ErrorClass, JobState, SweepState, Verdict
 
     runtime = {"backend": "cpu", "compiler_name": "inductor", "library_version": "5.0", "torch_version": "2.13"}
     q1, q2, vq = "supportmatrix.jobs.cpu.v1.c1", "supportmatrix.jobs.cpu.v1.c2", "supportmatrix.verdict.h1"
@@ -283,8 +283,8 @@ def queued_jobs(samples: dict[Any, float]) -> float:
 
 
 def add_queued_job(sessions: Any) -> None:
+    from shared.contracts.enums import JobState
     from shared.db.models import Job
-    from shared.enums import JobState
 
     with sessions() as session:
         session.add(Job(model_id="org/late", sha="b" * 40, task="text-generation", compiler_version="v1",

@@ -24,11 +24,14 @@ import sqlalchemy as sa
 import uvicorn
 from sqlalchemy.orm import Session
 
-from shared.contracts import RunReport, RuntimeInfo
+from shared.contracts.enums import ErrorClass, Stage, SweepState, Task, Verdict
+from shared.contracts.report import RunReport
+from shared.contracts.run import RuntimeInfo
 from shared.db.models import Sweep, SweepEntry
-from shared.enums import ErrorClass, Stage, SweepState, Task, Verdict
 from shared.hub.client import ResolvedModel
-from shared.jobs import rules as jobs
+from shared.jobs.lease import acquire_lease
+from shared.jobs.outcomes import finish
+from shared.jobs.submission import submit
 from shared.processes import free_port
 from shared.settings import get_settings
 from tests.conftest import fresh_database
@@ -49,15 +52,15 @@ def finished(session: Session, model: str, rt: RuntimeInfo, verdict: Verdict, **
     """One finished run of ``model``, written as a worker writes it; returns the job id."""
     task = report.pop("task", Task.text_generation.value)
     resolved = ResolvedModel(model_id=model, sha=f"{abs(hash(model)) % 10**40:040d}", gated=False, pipeline_tag=None)
-    [sub] = jobs.submit(session, resolved, None, [rt], task=task)
+    [sub] = submit(session, resolved, None, [rt], task=task)
     session.flush()
-    jobs.acquire_lease(session, sub.job.id, "pages", get_settings(), Stage.accelerator)
+    acquire_lease(session, sub.job.id, "pages", get_settings(), Stage.accelerator)
     fields = {"cores": 2, "wall_s": 30.0, "compile_s": 20.0, "peak_memory_bytes": 3 << 30, "compile_cache": "miss"}
-    jobs.finish(
+    finish(
         session,
         sub.job.id,
         "pages",
-        RunReport(model_id=model, task=task, backend="neuron", verdict=verdict, **{**fields, **report}),
+        RunReport.of(model_id=model, task=task, backend="neuron", verdict=verdict, **{**fields, **report}),
     )
     return sub.job.id
 

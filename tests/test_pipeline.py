@@ -33,10 +33,10 @@ def wait_running_runner(worker: Any, api: Any, job_id: int, model_id: str) -> An
 
 def accelerator_owner(job_id: int) -> str:
     """Who ran a job's accelerator stage, from its attempt log (the verdict worker holds the lease at the end)."""
+    from shared.contracts.enums import Stage
     from shared.db.engine import new_session
     from shared.db.models import Job
-    from shared.enums import Stage
-    from shared.jobs.rules import attempts
+    from shared.jobs.attempts import attempts
 
     with new_session() as session:
         job = session.get(Job, job_id)

@@ -12,7 +12,7 @@ from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError
 from sqlalchemy.orm import Session
 
-from shared.enums import Verdict
+from shared.contracts.enums import Verdict
 from shared.results.export import export_results
 from shared.results.publish import publish
 from shared.results.records import SCHEMA_VERSION

@@ -26,7 +26,7 @@ from services.api.deps import get_session
 from services.api.main import app
 from shared.db.models import Job
 from shared.hub.client import ResolvedModel
-from shared.jobs import rules
+from shared.jobs.submission import submit
 from shared.results.records import query_results
 from testing.bulk_rows import TABLES, History, populate
 from tests.conftest import fresh_database
@@ -139,11 +139,11 @@ def test_an_export_files_runs_are_read_by_their_key(big: Big) -> None:
 
 
 def test_a_submission_finds_the_known_models_job_through_the_model_index(big: Big) -> None:
-    """POST /jobs of a model that has its job: the identity lookup (jobs.rules.submit) finds it."""
+    """POST /jobs of a model that has its job: the identity lookup (shared.jobs.submission.submit) finds it."""
     with Session(big.engine) as session:
         job = session.scalars(sa.select(Job).where(Job.model_id == big.history.model_id(4321)).limit(1)).one()
         model = ResolvedModel(model_id=job.model_id, sha=job.sha, gated=job.gated, pipeline_tag=job.task)
         with issued(big.engine) as statements:
-            [submitted] = rules.submit(session, model, None, [job.runtime()], task=job.task, cores=job.cores)
+            [submitted] = submit(session, model, None, [job.runtime()], task=job.task, cores=job.cores)
         assert not submitted.created and submitted.job.model_id == job.model_id
     assert_read_through_indexes(big.engine, statements)

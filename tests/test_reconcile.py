@@ -9,12 +9,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from shared.contracts import RuntimeInfo
+from shared.contracts.enums import ErrorClass, JobState, Stage, SweepState
+from shared.contracts.run import RuntimeInfo
 from shared.db.models import Job, Result, Sweep, utcnow
-from shared.enums import ErrorClass, JobState, Stage, SweepState
 from shared.hub.client import ResolvedModel
-from shared.jobs import rules as jobs
 from shared.jobs.reconcile import Resend, claim_sweep, mark_queue_live, reconcile
+from shared.jobs.submission import submit
 from shared.settings import Settings
 
 RUNTIME = RuntimeInfo(backend="cpu", compiler_name="c", compiler_version="c-1", library_version="5", torch_version="2")
@@ -27,7 +27,7 @@ def settings(tmp_path: Path) -> Settings:
 
 def job(session: Session, name: str, age_s: float, **state: object) -> Job:
     model = ResolvedModel(model_id=f"org/{name}", sha="a" * 40, gated=False, pipeline_tag=None)
-    [submitted] = jobs.submit(session, model, None, [RUNTIME])
+    [submitted] = submit(session, model, None, [RUNTIME])
     created = utcnow() - dt.timedelta(seconds=age_s)
     session.execute(sa.update(Job).where(Job.id == submitted.job.id).values(created_at=created, **state))
     session.flush()

@@ -67,4 +67,4 @@ def test_remote_code_does_not_run_without_the_switch(tiny_models: Path) -> None:
     from tests.test_runner import run_local
 
     code, report = run_local(tiny_models / "tiny-custom")
-    assert code == 3 and report["error_class"] == "load" and "trust_remote_code" in report["error_message"]
+    assert code == 3 and report.failure.error_class == "load" and "trust_remote_code" in report.failure.error_message

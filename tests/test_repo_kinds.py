@@ -14,8 +14,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from shared.contracts.enums import ErrorClass, Verdict
 from shared.db.models import Job, SweepEntry, Worker
-from shared.enums import ErrorClass, Verdict
 from shared.hub.kinds import QUANTIZATION_LOADS, quantization_refusal
 from shared.jobs.sweeps import candidates, open_sweep, run_sweep
 from shared.settings import Settings

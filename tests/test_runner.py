@@ -15,13 +15,14 @@ import pytest
 from services.runner.failures import RunFailure, classify
 from services.runner.launch import run_child
 from services.runner.specs import DescribeSpec
-from shared.contracts import RuntimeInfo
-from shared.enums import ErrorClass
+from shared.contracts.enums import ErrorClass
+from shared.contracts.report import RunReport
+from shared.contracts.run import RuntimeInfo
 from shared.settings import inherited_environment
 from tests.conftest import ROOT, RUN_DIR
 
 
-def run_runner(*args: str, cwd: Path = ROOT, **env: str) -> tuple[int, dict[str, Any]]:
+def run_runner(*args: str, cwd: Path = ROOT, **env: str) -> tuple[int, RunReport]:
     proc = subprocess.run(
         [sys.executable, "-m", "services.runner", *args],
         cwd=cwd,
@@ -32,10 +33,10 @@ def run_runner(*args: str, cwd: Path = ROOT, **env: str) -> tuple[int, dict[str,
     )
     lines = proc.stdout.strip().splitlines()
     assert lines, proc.stderr[-3000:]
-    return proc.returncode, json.loads(lines[-1])
+    return proc.returncode, RunReport.model_validate_json(lines[-1])
 
 
-def run_local(directory: Path, *args: str, **env: str) -> tuple[int, dict[str, Any]]:
+def run_local(directory: Path, *args: str, **env: str) -> tuple[int, RunReport]:
     """The runner on a checkpoint directory: only through its explicit --local-dir option."""
     return run_runner(f"local/{directory.name}", "--local-dir", str(directory), *args, **env)
 
@@ -48,31 +49,31 @@ def test_inductor_compiles_and_a_second_host_hits_the_shared_cache(tiny_models: 
               "SUPPORTMATRIX_COMPILE_CACHE_PUSH": "true"}  # fmt: skip
     code, report = run_local(tiny_models / "tiny-llama", SUPPORTMATRIX_CACHE_DIR=str(RUN_DIR / "cache-a"), **common)
     assert code == 0, report
-    assert report["verdict"] == "PASS" and report["compile_cache"] == "miss"
-    assert report["compiler_name"] == "inductor" and report["compiler_version"] == "inductor-2.13.0+cpu"
-    assert report["generated_token_ids"] == report["reference_token_ids"]
-    assert len(report["generated_token_ids"]) == 32
+    assert report.verdict == "PASS" and report.resources.compile_cache == "miss"
+    assert report.runtime.compiler_name == "inductor" and report.runtime.compiler_version == "inductor-2.13.0+cpu"
+    assert report.comparison.generated_token_ids == report.comparison.reference_token_ids
+    assert len(report.comparison.generated_token_ids) == 32
     # inductor generated code for this run in the configured cache, not in /tmp, and pushed it
     assert any((RUN_DIR / "cache-a" / "inductor").rglob("*.py"))
     assert any((Path(remote) / "inductor-inductor-2.13.0+cpu").rglob("*"))
-    assert report["compile_s"] > report["generate_s"]
-    assert report["sha"] is None  # a local directory has no commit
-    assert report["reproduce"] == (
+    assert report.timings.compile_s > report.timings.generate_s
+    assert report.subject.sha is None  # a local directory has no commit
+    assert report.provenance.reproduce == (
         f"python -m services.runner local/tiny-llama --local-dir {tiny_models / 'tiny-llama'} --backend cpu --cores 1"
     )
 
     code, warm = run_local(tiny_models / "tiny-llama", SUPPORTMATRIX_CACHE_DIR=str(RUN_DIR / "cache-b"), **common)
-    assert code == 0 and warm["compile_cache"] == "hit", warm
-    assert warm["generated_token_ids"] == report["generated_token_ids"]
+    assert code == 0 and warm.resources.compile_cache == "hit", warm
+    assert warm.comparison.generated_token_ids == report.comparison.generated_token_ids
 
 
 def test_hub_model_is_downloaded_through_the_endpoint(hub: Any, tmp_path: Path) -> None:
     before = len(hub.requests)
     code, report = run_runner("org/tiny-gpt2", HF_HOME=str(tmp_path / "empty-hf-cache"))
-    assert code == 0 and report["verdict"] == "PASS", report
-    assert len(report["sha"]) == 40
+    assert code == 0 and report.verdict == "PASS", report
+    assert len(report.subject.sha) == 40
     paths = [p for _, p in hub.requests[before:]]
-    assert any(p.endswith("/resolve/" + report["sha"] + "/model.safetensors") for p in paths)
+    assert any(p.endswith("/resolve/" + report.subject.sha + "/model.safetensors") for p in paths)
 
 
 @pytest.mark.parametrize(
@@ -89,8 +90,8 @@ def test_models_that_cannot_run_end_in_error_with_their_class(
     hub.add("org/gated-llama", tiny_models / "tiny-llama", gated="auto")
     code, report = run_runner(model)
     assert code == 3
-    assert report["verdict"] == "ERROR" and report["error_class"] == error_class, report["error_message"]
-    assert message in report["error_message"]
+    assert report.verdict == "ERROR" and report.failure.error_class == error_class, report.failure.error_message
+    assert message in report.failure.error_message
 
 
 def test_an_unreachable_hub_is_retried_then_an_error_of_its_own_class(tmp_path: Path) -> None:
@@ -100,8 +101,8 @@ def test_an_unreachable_hub_is_retried_then_an_error_of_its_own_class(tmp_path: 
         HF_HOME=str(tmp_path / "hf"),
         SUPPORTMATRIX_HUB_RETRY_DELAYS_S="[0.1, 0.1]",
     )
-    assert code == 3 and report["error_class"] == "hub_unavailable", report["error_message"]
-    assert "Connect" in report["error_message"]
+    assert code == 3 and report.failure.error_class == "hub_unavailable", report.failure.error_message
+    assert "Connect" in report.failure.error_message
 
 
 def test_describe_reports_what_this_machine_serves() -> None:
@@ -161,12 +162,12 @@ def test_evidence_comes_from_what_greedy_picked_from(tiny_models: Path, tmp_path
     config = json.loads((checkpoint / "generation_config.json").read_text())
     (checkpoint / "generation_config.json").write_text(json.dumps(config | {"repetition_penalty": 1.5}))
     code, report = run_local(checkpoint, SUPPORTMATRIX_CPU_DTYPE="bfloat16", SUPPORTMATRIX_CPU_FAULT="swap_near_tie")
-    assert code == 0 and report["verdict"] == "PASS", report
-    divergence = report["first_divergence"]
-    assert divergence is not None and divergence >= 4 and "every divergence a near tie" in report["verdict_reason"]
-    evidence = report["evidence"]
+    assert code == 0 and report.verdict == "PASS", report
+    divergence = report.comparison.first_divergence
+    assert divergence is not None and divergence >= 4 and "every divergence a near tie" in report.verdict_reason
+    evidence = report.comparison.evidence
     assert all(step["rank"] < 5 and step["gap"] <= 0.3 for step in evidence["divergent_steps"])
     assert any(step > divergence for step in evidence["processor_reordered_steps"])  # the penalty mattered
     # what sizing predicted per core is kept beside what was measured; the model compiled once (prefill, decode)
-    assert report["predicted_peak_bytes_per_core"] > 0 and report["peak_memory_bytes"] > 0
-    assert report["graphs_compiled"] == 2
+    assert report.resources.predicted_peak_bytes_per_core > 0 and report.resources.peak_memory_bytes > 0
+    assert report.resources.graphs_compiled == 2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from typing import Any
 import psutil
 import pytest
 
+from shared.contracts.report import RunReport
 from tests.conftest import ROOT
 from tests.test_runner import run_local
 
@@ -35,30 +35,30 @@ def run(tiny_models: Path, model: str, *args: str, **env: str) -> tuple[int, dic
 )
 def test_sharded_runs_pass(tiny_models: Path, model: str, cores: int, parallelism: str, env: dict[str, str]) -> None:
     code, report = run(tiny_models, model, "--cores", str(cores), **env)
-    assert code == 0, report["error_message"] or report["verdict_reason"]
-    assert report["verdict"] == "PASS" and report["cores"] == cores and report["parallelism"] == parallelism
+    assert code == 0, report.failure.error_message or report.verdict_reason
+    assert report.verdict == "PASS" and report.provenance.cores == cores and report.placement.parallelism == parallelism
     bf16 = env.get("SUPPORTMATRIX_CPU_DTYPE") == "bfloat16"
-    assert report["compiler_version"].endswith("-bf16") == bf16
+    assert report.runtime.compiler_version.endswith("-bf16") == bf16
     if not bf16:  # bf16 may reorder near ties; the verdict then says so
-        assert report["generated_token_ids"] == report["reference_token_ids"]
-    assert report["prefill_rel_error"] < (4e-2 if bf16 else 1e-3)
-    assert report["judge_kind"] == "likelihood" and report["judge_prompt_hash"]  # sharded runs are judged
-    assert report["peak_memory_bytes"] > 100 * 2**20  # the max over ranks
+        assert report.comparison.generated_token_ids == report.comparison.reference_token_ids
+    assert report.comparison.prefill_rel_error < (4e-2 if bf16 else 1e-3)
+    assert report.judge.judge_kind == "likelihood" and report.judge.judge_prompt_hash  # sharded runs are judged
+    assert report.resources.peak_memory_bytes > 100 * 2**20  # the max over ranks
 
 
 def test_a_model_without_a_parallel_plan_forced_to_two_cores_is_unsupported(tiny_models: Path) -> None:
     code, report = run(tiny_models, "tiny-gpt2", "--cores", "2")
-    assert code == 3 and report["error_class"] == "unsupported_parallelism"
-    assert "GPT2Config has no tensor-parallel plan" in report["error_message"]
-    assert "accelerator.rank" in report["error_message"]  # which rank said so
+    assert code == 3 and report.failure.error_class == "unsupported_parallelism"
+    assert "GPT2Config has no tensor-parallel plan" in report.failure.error_message
+    assert "accelerator.rank" in report.failure.error_message  # which rank said so
 
 
 def test_heads_that_do_not_divide_are_sized_to_a_size_that_works_or_refused(tiny_models: Path) -> None:
     code, report = run(tiny_models, "tiny-llama-6h")  # 6 heads, 2 KV heads: sized to one core
-    assert code == 0 and report["cores"] == 1 and report["parallelism"] == "none"
+    assert code == 0 and report.provenance.cores == 1 and report.placement.parallelism == "none"
     code, report = run(tiny_models, "tiny-llama-6h", "--cores", "4")
-    assert code == 3 and report["error_class"] == "unsupported_parallelism"
-    assert "6 attention heads / 2 KV heads do not divide over 4 ranks" in report["error_message"]
+    assert code == 3 and report.failure.error_class == "unsupported_parallelism"
+    assert "6 attention heads / 2 KV heads do not divide over 4 ranks" in report.failure.error_message
 
 
 def test_a_skipped_all_reduce_fails(tiny_models: Path) -> None:
@@ -67,8 +67,8 @@ def test_a_skipped_all_reduce_fails(tiny_models: Path) -> None:
     and benign noise (thread counts, TP 1/2/4) are measured in bench/calibrate_verdict.py; drop_layer fails
     through the service in tests/test_stages.py."""
     code, report = run(tiny_models, "tiny-qwen3", "--cores", "2", SUPPORTMATRIX_CPU_FAULT="skip_allreduce")
-    assert code == 1 and report["verdict"] == "FAIL", report["error_message"]
-    assert "prefill logits differ" in report["verdict_reason"]
+    assert code == 1 and report.verdict == "FAIL", report.failure.error_message
+    assert "prefill logits differ" in report.verdict_reason
 
 
 def test_a_rank_that_dies_takes_its_group_down_and_is_named(tiny_models: Path) -> None:
@@ -98,6 +98,9 @@ def test_a_rank_that_dies_takes_its_group_down_and_is_named(tiny_models: Path) -
     [victim] = [r for r in ranks if r.cmdline()[-1].endswith("accelerator.rank1.spec.json")]
     victim.kill()
     out, _ = runner.communicate(timeout=120)
-    report = json.loads(out.strip().splitlines()[-1])
-    assert report["error_class"] == "crash" and "accelerator.rank1 process killed by SIGKILL" in report["error_message"]
+    report = RunReport.model_validate_json(out.strip().splitlines()[-1])
+    assert (
+        report.failure.error_class == "crash"
+        and "accelerator.rank1 process killed by SIGKILL" in report.failure.error_message
+    )
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)  # rank 0 went too

@@ -20,14 +20,14 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from services.worker.beat import RedisLock
-from shared.contracts import RuntimeInfo
+from shared.contracts.enums import SweepState, Verdict
+from shared.contracts.run import RuntimeInfo
 from shared.db.engine import new_session
 from shared.db.models import Job, Sweep, Worker
-from shared.enums import SweepState, Verdict
 from shared.hub.client import ResolvedModel
-from shared.jobs import rules
 from shared.jobs.broker import get_producer, make_celery
 from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
+from shared.jobs.submission import submit
 from shared.jobs.sweeps import candidates, open_sweep, run_sweep
 from shared.settings import Settings, get_settings
 from tests.conftest import HUB_TOKEN, ROOT, RUN_DIR
@@ -146,9 +146,9 @@ def test_a_submission_the_broker_refuses_keeps_only_the_jobs_that_existed_before
                      library_version="5.24.0", torch_version="2.13.0")  # fmt: skip
     old, new = (ResolvedModel(model_id=f"dispatch/{m}", sha="d" * 40, gated=False, pipeline_tag=None)
                 for m in ("old", "new"))  # fmt: skip
-    [existing] = rules.submit(session, old, None, [rt])
+    [existing] = submit(session, old, None, [rt])
     session.commit()
-    submitted = rules.submit(session, old, None, [rt]) + rules.submit(session, new, None, [rt])
+    submitted = submit(session, old, None, [rt]) + submit(session, new, None, [rt])
     assert [(s.job.id == existing.job.id, s.created) for s in submitted] == [(True, False), (False, True)]
     with pytest.raises(QueueUnavailable):
         commit_and_enqueue(session, dead_broker(), submitted)

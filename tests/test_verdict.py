@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from shared.enums import Verdict
-from shared.results.verdict import Evidence, JudgeOutcome, StepEvidence, Tolerances, decide, first_divergence
+from typing import Any
+
+from shared.contracts.enums import Verdict
+from shared.contracts.evidence import Evidence, JudgeOutcome, StepEvidence
+from shared.contracts.report import Comparison
+from shared.results.verdict import Tolerances, decide, first_divergence
 
 BF16 = Tolerances.for_dtype("bfloat16")
 FP32 = Tolerances.for_dtype("float32")
@@ -14,59 +18,76 @@ def diverged(at: int) -> list[int]:
     return [*TOKENS[:at], 999, *TOKENS[at + 1 :]]
 
 
+def evidence(
+    generated: list[int],
+    reference: list[int],
+    divergent_steps: list[StepEvidence] | None = None,
+    *,
+    accelerator_loglik: float = 0.0,
+    reference_loglik: float = 0.0,
+    prefill_rel_error: float = 0.0,
+    **rule: Any,
+) -> Evidence:
+    """The evidence of a run with these tokens and numbers (its comparison), and what the rule needs besides."""
+    numbers = Comparison(generated_token_ids=generated, reference_token_ids=reference,
+                         prefill_rel_error=prefill_rel_error, accelerator_loglik=accelerator_loglik,
+                         reference_loglik=reference_loglik)  # fmt: skip
+    return Evidence(numbers, divergent_steps or [], **rule)
+
+
 def judge(fluent: bool | None, reference_fluent: bool | None) -> JudgeOutcome:
     return JudgeOutcome("openai", "m", "h", fluent, reference_fluent, "No / Yes", "garbled")
 
 
 def test_matching_tokens_pass() -> None:
-    decision = decide(Evidence(TOKENS, TOKENS, prefill_rel_error=1e-7), FP32)
+    decision = decide(evidence(TOKENS, TOKENS, prefill_rel_error=1e-7), FP32)
     assert decision.verdict == Verdict.PASS and decision.first_divergence is None
 
 
 def test_divergences_that_are_near_ties_pass_single_core() -> None:
     step = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=0.1, rank=1)
-    evidence = Evidence(diverged(5), TOKENS, [step], accelerator_loglik=-2.0, reference_loglik=-2.05)
-    decision = decide(evidence, BF16)
+    found = evidence(diverged(5), TOKENS, [step], accelerator_loglik=-2.0, reference_loglik=-2.05)
+    decision = decide(found, BF16)
     assert decision.verdict == Verdict.PASS and decision.first_divergence == 5
     assert "near tie" in decision.reason
 
 
 def test_a_divergence_that_is_not_a_near_tie_fails() -> None:
     far = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=2.5, rank=1)
-    assert decide(Evidence(diverged(5), TOKENS, [far]), BF16).verdict == Verdict.FAIL
+    assert decide(evidence(diverged(5), TOKENS, [far]), BF16).verdict == Verdict.FAIL
     outside_top_k = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=0.1, rank=9)
-    decision = decide(Evidence(diverged(5), TOKENS, [outside_top_k]), BF16)
+    decision = decide(evidence(diverged(5), TOKENS, [outside_top_k]), BF16)
     assert decision.verdict == Verdict.FAIL and "rank 9" in decision.reason
     # the same gap is a near tie in bf16 but not in fp32, where drift is a million times smaller
     near = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=0.1, rank=1)
-    assert decide(Evidence(diverged(5), TOKENS, [near]), FP32).verdict == Verdict.FAIL
+    assert decide(evidence(diverged(5), TOKENS, [near]), FP32).verdict == Verdict.FAIL
 
 
 def test_prefill_error_and_non_finite_logits_fail_even_with_matching_tokens() -> None:
-    assert decide(Evidence(TOKENS, TOKENS, prefill_rel_error=0.2), BF16).verdict == Verdict.FAIL
-    assert decide(Evidence(TOKENS, TOKENS, finite=False), BF16).verdict == Verdict.FAIL
+    assert decide(evidence(TOKENS, TOKENS, prefill_rel_error=0.2), BF16).verdict == Verdict.FAIL
+    assert decide(evidence(TOKENS, TOKENS, finite=False), BF16).verdict == Verdict.FAIL
 
 
 def test_text_the_reference_finds_implausible_fails() -> None:
     step = StepEvidence(step=3, accelerator_token=999, reference_token=3, gap=0.2, rank=1)
-    evidence = Evidence(diverged(3), TOKENS, [step], accelerator_loglik=-4.0, reference_loglik=-2.0)
-    decision = decide(evidence, BF16)
+    found = evidence(diverged(3), TOKENS, [step], accelerator_loglik=-4.0, reference_loglik=-2.0)
+    decision = decide(found, BF16)
     assert decision.verdict == Verdict.FAIL and "implausible" in decision.reason
 
 
 def test_the_judge_fails_a_sharded_run_only_when_the_reference_text_is_fluent() -> None:
     base = {"generated": TOKENS, "reference": TOKENS, "sharded": True}
-    assert decide(Evidence(**base, judge=judge(False, True)), BF16).verdict == Verdict.FAIL
-    assert decide(Evidence(**base, judge=judge(False, False)), BF16).verdict == Verdict.PASS  # inconclusive
-    assert decide(Evidence(**base, judge=judge(True, True)), BF16).verdict == Verdict.PASS
+    assert decide(evidence(**base, judge=judge(False, True)), BF16).verdict == Verdict.FAIL
+    assert decide(evidence(**base, judge=judge(False, False)), BF16).verdict == Verdict.PASS  # inconclusive
+    assert decide(evidence(**base, judge=judge(True, True)), BF16).verdict == Verdict.PASS
     # single-core runs are not judged
-    assert decide(Evidence(TOKENS, TOKENS, judge=judge(False, True)), BF16).verdict == Verdict.PASS
+    assert decide(evidence(TOKENS, TOKENS, judge=judge(False, True)), BF16).verdict == Verdict.PASS
 
 
 def test_the_judge_never_turns_a_numeric_failure_into_a_pass() -> None:
-    evidence = Evidence(TOKENS, TOKENS, prefill_rel_error=0.5, sharded=True, judge=judge(True, True))
-    assert decide(evidence, BF16).verdict == Verdict.FAIL
-    nan = Evidence(TOKENS, TOKENS, finite=False, sharded=True, judge=judge(True, True))
+    found = evidence(TOKENS, TOKENS, prefill_rel_error=0.5, sharded=True, judge=judge(True, True))
+    assert decide(found, BF16).verdict == Verdict.FAIL
+    nan = evidence(TOKENS, TOKENS, finite=False, sharded=True, judge=judge(True, True))
     assert decide(nan, BF16).verdict == Verdict.FAIL
 
 
@@ -82,24 +103,24 @@ def test_the_judge_decides_a_sharded_run_whose_numbers_are_inconclusive() -> Non
     far = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=2.5, rank=9)
     inconclusive = {"generated": diverged(5), "reference": TOKENS, "divergent_steps": [far],
                     "accelerator_loglik": -2.1, "reference_loglik": -2.0, "sharded": True}  # fmt: skip
-    passed = decide(Evidence(**inconclusive, judge=judge(True, True)), BF16)
+    passed = decide(evidence(**inconclusive, judge=judge(True, True)), BF16)
     assert passed.verdict == Verdict.PASS and "not a near tie" in passed.reason and "finds it fluent" in passed.reason
-    failed = decide(Evidence(**inconclusive, judge=judge(False, True)), BF16)
+    failed = decide(evidence(**inconclusive, judge=judge(False, True)), BF16)
     assert failed.verdict == Verdict.FAIL and "not fluent" in failed.reason
     # a judge that cannot tell, or cannot tell the reference's text from garbage, leaves the numbers' FAIL
-    assert decide(Evidence(**inconclusive, judge=judge(None, True)), BF16).verdict == Verdict.FAIL
-    assert decide(Evidence(**inconclusive, judge=judge(True, False)), BF16).verdict == Verdict.FAIL
+    assert decide(evidence(**inconclusive, judge=judge(None, True)), BF16).verdict == Verdict.FAIL
+    assert decide(evidence(**inconclusive, judge=judge(True, False)), BF16).verdict == Verdict.FAIL
     # no answer about the reference's text: the judge's answer about the accelerator's decides
-    assert decide(Evidence(**inconclusive, judge=judge(True, None)), BF16).verdict == Verdict.PASS
-    assert decide(Evidence(**inconclusive, judge=judge(False, None)), BF16).verdict == Verdict.FAIL
+    assert decide(evidence(**inconclusive, judge=judge(True, None)), BF16).verdict == Verdict.PASS
+    assert decide(evidence(**inconclusive, judge=judge(False, None)), BF16).verdict == Verdict.FAIL
     # the likelihood judge weighs only what the rule already weighed; single-core runs have no judge
     likelihood = JudgeOutcome("likelihood", None, "h", True, True, "Yes / Yes", "close")
-    assert decide(Evidence(**inconclusive, judge=likelihood), BF16).verdict == Verdict.FAIL
+    assert decide(evidence(**inconclusive, judge=likelihood), BF16).verdict == Verdict.FAIL
     single = inconclusive | {"sharded": False}
-    assert decide(Evidence(**single, judge=judge(True, True)), BF16).verdict == Verdict.FAIL
+    assert decide(evidence(**single, judge=judge(True, True)), BF16).verdict == Verdict.FAIL
     # implausible text fails before any judge is asked
     implausible = inconclusive | {"accelerator_loglik": -3.0}
-    decision = decide(Evidence(**implausible, judge=judge(True, True)), BF16)
+    decision = decide(evidence(**implausible, judge=judge(True, True)), BF16)
     assert decision.verdict == Verdict.FAIL and "implausible" in decision.reason
 
 
@@ -107,16 +128,16 @@ def test_the_bf16_and_fp32_tolerances_at_their_edges() -> None:
     """The thresholds themselves (bench/calibrate_verdict.py measured where they sit): a hair inside passes, a hair
     outside fails — prefill error, near-tie gap and rank (top-5), likelihood slack."""
     for tol, prefill, gap, slack in ((BF16, 4e-2, 0.3, 0.3), (FP32, 1e-3, 1e-3, 0.05)):
-        assert decide(Evidence(TOKENS, TOKENS, prefill_rel_error=prefill * 0.99), tol).verdict == Verdict.PASS
-        assert decide(Evidence(TOKENS, TOKENS, prefill_rel_error=prefill * 1.01), tol).verdict == Verdict.FAIL
+        assert decide(evidence(TOKENS, TOKENS, prefill_rel_error=prefill * 0.99), tol).verdict == Verdict.PASS
+        assert decide(evidence(TOKENS, TOKENS, prefill_rel_error=prefill * 1.01), tol).verdict == Verdict.FAIL
         for step_gap, rank, verdict in (
             (gap, 4, Verdict.PASS),
             (gap * 1.01, 1, Verdict.FAIL),
             (gap / 2, 5, Verdict.FAIL),
         ):
             step = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=step_gap, rank=rank)
-            assert decide(Evidence(diverged(5), TOKENS, [step]), tol).verdict == verdict, (tol, step_gap, rank)
+            assert decide(evidence(diverged(5), TOKENS, [step]), tol).verdict == verdict, (tol, step_gap, rank)
         near = StepEvidence(step=5, accelerator_token=999, reference_token=5, gap=gap / 2, rank=1)
         for loss, verdict in ((slack * 0.99, Verdict.PASS), (slack * 1.01, Verdict.FAIL)):
-            evidence = Evidence(diverged(5), TOKENS, [near], accelerator_loglik=-2.0 - loss, reference_loglik=-2.0)
-            assert decide(evidence, tol).verdict == verdict
+            found = evidence(diverged(5), TOKENS, [near], accelerator_loglik=-2.0 - loss, reference_loglik=-2.0)
+            assert decide(found, tol).verdict == verdict

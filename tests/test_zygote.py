@@ -20,7 +20,7 @@ import pytest
 
 from services.runner.specs import ChildOutcome, DescribeSpec, SpecFile
 from shared.settings import child_environment, get_settings
-from shared.zygote import (
+from shared.zygote_client import (
     EXIT_UNKNOWN,
     ZYGOTE_ENVIRONMENT,
     ForkedProcess,
@@ -40,7 +40,7 @@ def start_zygote(tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
     address = zygote_address(tmp, name)
     log = (tmp / f"{name}.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.runner.zygote", address],
+        [sys.executable, "-m", "services.runner.zygote_server", address],
         env=child_environment(settings, ZYGOTE_ENVIRONMENT), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     deadline = time.monotonic() + 120
@@ -149,7 +149,7 @@ def test_a_forked_child_dies_with_the_process_that_asked_for_it(zygote: tuple[ob
     asker = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time\nfrom pathlib import Path\nfrom shared.settings import child_environment, get_settings\n"
-         "from shared.zygote import start_python\n"
+         "from shared.zygote_client import start_python\n"
          f"proc, _ = start_python({CHILD!r}, [{str(fifo)!r}], child_environment(get_settings(), {{}}), "
          f"Path({str(tmp / 'orphan.log')!r}), own_group=True, zygote={address!r})\n"
          "print(proc.pid, flush=True)\ntime.sleep(600)"],

@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session
 from services.api.errors import forbidden, rate_limited, unauthorized
 from services.api.hub_pool import HubPool
 from services.api.ratelimit import RateLimiter
-from shared.auth.scopes import Scope
 from shared.auth.tokens import Caller, authenticate
+from shared.contracts.enums import Scope
 from shared.db.engine import new_session
 from shared.jobs.broker import get_producer
 from shared.settings import Settings, get_settings
@@ -45,7 +45,7 @@ HubPoolDep = Annotated[HubPool, Depends(get_hub_pool)]
 
 # auto_error=False: a missing token is answered by get_caller, with the WWW-Authenticate challenge.
 _bearer = HTTPBearer(
-    auto_error=False, description="A token from `python -m services.api.tokens create NAME --scope submit|admin`."
+    auto_error=False, description="A token from `supportmatrix tokens create NAME --scope submit|admin`."
 )
 
 

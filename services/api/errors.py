@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import HTTPException, status
 
-from shared.auth.scopes import Scope
+from shared.contracts.enums import Scope
 from shared.settings import get_settings
 
 

@@ -94,7 +94,7 @@ def create_app() -> FastAPI:
         summary="Which Hugging Face Hub models run unmodified on AWS Trainium2 (TorchNeuron), and how.",
         version="0.1.0",
         description="Reads are public. Write routes need `Authorization: Bearer <token>`: "
-        "`python -m services.api.tokens create NAME --scope submit|admin` makes one.",
+        "`supportmatrix tokens create NAME --scope submit|admin` makes one.",
         lifespan=lifespan,
     )
     app.add_middleware(BodySizeLimit, max_bytes=settings.api_max_body_bytes)

@@ -9,13 +9,13 @@ result's verdict, timings and cache outcome, a worker's heartbeat and cores — 
 Prometheus scrapes the API only. A counter here is a count of rows that only grow
 (results, deliveries): it is monotonic without any process keeping it.
 
-Each family costs one query (the host family two, both over small sets); ``bench/metrics_scrape.py``
-measures them over 1 M result rows: about a second in all, too much for every scrape. So a ``Snapshot``
-reads and renders them in a background thread of the API process every SUPPORTMATRIX_METRICS_REFRESH_S seconds
-and a scrape serves the last rendering, with ``supportmatrix_metrics_snapshot_age_seconds`` saying how old it is
-(0 = collect at each scrape). Each API process (uvicorn worker) keeps its own snapshot: several behind one scrape
-target can serve a row counter one step back from the scrape before (read as a reset), so run one API process per
-target, or 0.
+Each family costs one query of ``shared/jobs/stats.py`` (the host family two, both over small sets);
+``bench/metrics_scrape.py`` measures them over 1 M result rows: about a second in all, too much for every scrape.
+So a ``Snapshot`` reads and renders them in a background thread of the API process every
+SUPPORTMATRIX_METRICS_REFRESH_S seconds and a scrape serves the last rendering, with
+``supportmatrix_metrics_snapshot_age_seconds`` saying how old it is (0 = collect at each scrape). Each API process
+(uvicorn worker) keeps its own snapshot: several behind one scrape target can serve a row counter one step back
+from the scrape before (read as a reset), so run one API process per target, or 0.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import sqlalchemy as sa
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -37,47 +36,21 @@ from prometheus_client.utils import floatToGoString
 from sqlalchemy.orm import Session
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shared.contracts.enums import JobState, Stage, SweepState, Verdict
 from shared.cores import CoreGroup
 from shared.db.engine import new_session
-from shared.db.models import Job, QueueSeen, Result, Sweep, SweepEntry, Worker, utcnow
-from shared.enums import JobState, Stage, SweepState, Verdict
-from shared.jobs.rules import LeaseOwner, live_since
+from shared.db.models import utcnow
+from shared.jobs import stats
+from shared.jobs.lease import LeaseOwner
+from shared.jobs.runtimes import live_since
+from shared.jobs.stats import DURATION_BUCKETS
 from shared.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
-# Seconds; the slowest runner is bounded by SUPPORTMATRIX_JOB_TIMEOUT_S (1 h by default), the buckets go to 2 h.
-DURATION_BUCKETS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 2700.0, 3600.0, 5400.0, 7200.0)
 CACHE_OUTCOMES = ("hit", "miss", "none")
 SLOWEST = 10  # rows of the slowest-models gauge
 UNMATCHED = "<unmatched>"  # the route label of a request no route matched (bounded cardinality)
-
-
-def seconds_between(start: Any, end: Any, dialect: str) -> sa.ColumnElement[float]:
-    """``end - start`` in seconds, on PostgreSQL and SQLite alike."""
-    if dialect == "postgresql":  # date_part is float8; EXTRACT is numeric, several times slower over 1 M rows
-        return sa.func.date_part("epoch", end - start, type_=sa.Float)
-    return (sa.func.julianday(end) - sa.func.julianday(start)) * 86400.0
-
-
-def _text(value: str) -> sa.ColumnElement[str]:
-    """A constant column, inlined (a bound parameter in a UNION leaves PostgreSQL guessing its type)."""
-    return sa.literal_column(f"'{value}'", sa.String)
-
-
-def bounds_at_or_above(value: sa.ColumnElement[float], dialect: str) -> sa.ColumnElement[int]:
-    """How many bucket bounds are >= ``value`` (NULL for NULL): the row's bucket, as one number per row, so that a
-    GROUP BY on it counts each bucket in one pass. PostgreSQL: ``width_bucket`` over the negated bounds, which
-    evaluates ``value`` once; elsewhere a CASE chain."""
-    if dialect == "postgresql":
-        negated = sa.literal_column("ARRAY[" + ",".join(f"{-b}" for b in reversed(DURATION_BUCKETS)) + "]::float8[]")
-        return sa.func.width_bucket(-value, negated)
-    n = len(DURATION_BUCKETS)
-    return sa.case(
-        (value.is_(None), sa.null()),
-        *((value <= bound, n - i) for i, bound in enumerate(DURATION_BUCKETS)),
-        else_=0,
-    )
 
 
 class Buckets:
@@ -153,25 +126,14 @@ class StateCollector(Collector):
 
     def jobs(self, session: Session) -> Iterator[Metric]:
         family = GaugeMetricFamily("supportmatrix_jobs", "Jobs by state", labels=["state"])
-        counts = dict(session.execute(sa.select(Job.state, sa.func.count()).group_by(Job.state)).tuples().all())
+        counts = stats.jobs_by_state(session)
         for state in JobState:
             family.add_metric([state.value], counts.get(state, 0))
         yield family
 
     def queues(self, session: Session, now: dt.datetime) -> Iterator[Metric]:
-        """Jobs waiting per queue, counted in SQL (Redis's LLEN reads 0 while every worker holds a message),
-        and the age of the oldest. Every queue a live worker ever served is listed, empty ones at 0."""
-        accelerator = (
-            sa.select(_text(Stage.accelerator.value), Job.queue, sa.func.count(), sa.func.min(Job.created_at))
-            .where(Job.state == JobState.queued)
-            .group_by(Job.queue)
-        )
-        verdict = (
-            sa.select(_text(Stage.verdict.value), Job.verdict_queue, sa.func.count(), sa.func.min(Job.judging_at))
-            .where(Job.state == JobState.judging, Job.lease_owner.is_(None))
-            .group_by(Job.verdict_queue)
-        )
-        known = sa.select(_text(""), QueueSeen.queue, sa.literal_column("0"), sa.null())
+        """Jobs waiting per queue and the age of the oldest. Every queue a live worker ever served is listed, empty
+        ones at 0."""
         depth = GaugeMetricFamily(
             "supportmatrix_queue_depth", "Jobs waiting for a worker, per queue and stage", labels=["queue", "stage"]
         )
@@ -182,7 +144,7 @@ class StateCollector(Collector):
         )
         waiting: dict[tuple[str, str], tuple[int, float]] = {}
         seen: set[str] = set()
-        for stage, queue, n, oldest in session.execute(sa.union_all(accelerator, verdict, known)).tuples():
+        for stage, queue, n, oldest in stats.queue_waits(session):
             if not stage:
                 seen.add(queue)
                 continue
@@ -199,26 +161,20 @@ class StateCollector(Collector):
     # --- results --------------------------------------------------------------------------------------
 
     def results(self, session: Session, settings: Settings, now: dt.datetime) -> Iterator[Metric]:
-        """One GROUP BY over results gives the verdict mix, the error classes and the compile-cache outcomes
-        per compiler version; every served compiler version gets its zero series from the start, so that the
-        first result is an increase Prometheus sees."""
-        rows = session.execute(
-            sa.select(
-                Result.compiler_version, Result.verdict, Result.error_class, Result.compile_cache, sa.func.count()
-            ).group_by(Result.compiler_version, Result.verdict, Result.error_class, Result.compile_cache)
-        ).tuples()
+        """The verdict mix, the error classes and the compile-cache outcomes per compiler version; every served
+        compiler version gets its zero series from the start, so that the first result is an increase Prometheus
+        sees."""
         verdicts: dict[tuple[str, str, str], int] = defaultdict(int)
         cache: dict[tuple[str, str], int] = defaultdict(int)
         legacy: dict[tuple[str, str], int] = defaultdict(int)
-        for version, verdict, error_class, outcome, n in rows:
+        for version, verdict, error_class, outcome, n in stats.result_counts(session):
             version = version or ""
             klass = error_class.value if error_class else ""
             verdicts[(version, verdict.value, klass)] += n
             legacy[(verdict.value, klass)] += n
             cache[(version, outcome or "none")] += n
-        since = now - dt.timedelta(seconds=settings.worker_stale_s)
-        served = session.scalars(sa.select(Worker.compiler_version).where(Worker.heartbeat_at >= since).distinct())
-        for version in {v for v, *_ in verdicts} | set(served):
+        served = stats.served_compilers(session, now - dt.timedelta(seconds=settings.worker_stale_s))
+        for version in {v for v, *_ in verdicts} | served:
             for verdict in Verdict:
                 verdicts.setdefault((version, verdict.value, ""), 0)
             for outcome in CACHE_OUTCOMES:
@@ -248,7 +204,7 @@ class StateCollector(Collector):
         for key, n in sorted(legacy.items()):
             results.add_metric(list(key), n)
         yield results
-        last = session.scalar(sa.select(Result.created_at).order_by(Result.id.desc()).limit(1))
+        last = stats.last_result_at(session)
         if last is not None:
             stamp = GaugeMetricFamily(
                 "supportmatrix_last_result_timestamp_seconds", "When the newest result row was written (Unix time)"
@@ -257,24 +213,8 @@ class StateCollector(Collector):
             yield stamp
 
     def durations(self, session: Session, dialect: str) -> Iterator[Metric]:
-        """Both stages in one pass over the judging and finished jobs: the accelerator stage from its lease to
-        the release of its cores (or the job's end), the verdict stage from then to the job's end."""
-        accelerator = seconds_between(Job.started_at, sa.func.coalesce(Job.judging_at, Job.finished_at), dialect)
-        verdict = seconds_between(Job.judging_at, Job.finished_at, dialect)
-        inner = (
-            sa.select(Job.compiler_version.label("version"), accelerator.label("a"), verdict.label("v"))
-            .where(Job.state.in_((JobState.judging, JobState.done, JobState.failed)), Job.started_at.is_not(None))
-            .subquery()
-        )
-        a_bucket = bounds_at_or_above(inner.c.a, dialect)
-        v_bucket = bounds_at_or_above(inner.c.v, dialect)
-        rows = session.execute(
-            sa.select(
-                inner.c.version, a_bucket, v_bucket, sa.func.count(), sa.func.sum(inner.c.a), sa.func.sum(inner.c.v)
-            ).group_by(inner.c.version, a_bucket, v_bucket)
-        ).tuples()
         buckets = Buckets()
-        for version, a, v, n, a_total, v_total in rows:
+        for version, a, v, n, a_total, v_total in stats.stage_duration_buckets(session, dialect):
             buckets.add((version, Stage.accelerator.value), a, n, a_total)
             buckets.add((version, Stage.verdict.value), v, n, v_total)
         yield buckets.into(
@@ -286,14 +226,8 @@ class StateCollector(Collector):
         )
 
     def compile_durations(self, session: Session, dialect: str) -> Iterator[Metric]:
-        bucket = bounds_at_or_above(Result.compile_s, dialect)
-        rows = session.execute(
-            sa.select(Result.compiler_version, bucket, sa.func.count(), sa.func.sum(Result.compile_s))
-            .where(Result.compile_s.is_not(None))
-            .group_by(Result.compiler_version, bucket)
-        ).tuples()
         buckets = Buckets()
-        for version, index, n, total in rows:
+        for version, index, n, total in stats.compile_duration_buckets(session, dialect):
             buckets.add((version or "",), index, n, total)
         yield buckets.into(
             HistogramMetricFamily(
@@ -309,55 +243,33 @@ class StateCollector(Collector):
             f"The {SLOWEST} slowest results: wall time (load + compile + generate) by model",
             labels=["model_id", "compiler_version", "cores"],
         )
-        rows = session.execute(
-            sa.select(Job.model_id, Result.compiler_version, Result.cores, Result.wall_s)
-            .join(Job, Job.id == Result.job_id)
-            .where(Result.wall_s.is_not(None))
-            .order_by(Result.wall_s.desc())
-            .limit(SLOWEST)
-        ).tuples()
-        for model_id, version, cores, wall_s in rows:
+        for model_id, version, cores, wall_s in stats.slowest_results(session, SLOWEST):
             family.add_metric([model_id, version or "", str(cores)], wall_s)
         yield family
 
     def deliveries(self, session: Session) -> Iterator[Metric]:
-        """Redeliveries (a stage taken again after its first delivery: a lost worker's job taken over), the
-        reconciler's re-sends (jobs.resends), and the active jobs riding on a re-sent message. One query over
-        the partial index of jobs with any of them (ix_jobs_redelivered)."""
-        again = sa.func.sum(sa.case((Job.attempts > 1, Job.attempts - 1), else_=0))
-        verdict_again = sa.func.sum(sa.case((Job.verdict_attempts > 1, Job.verdict_attempts - 1), else_=0))
-        resent = Job.resends > 0
-        accelerator_resent = sa.and_(resent, Job.state.in_((JobState.queued, JobState.running)))
-        verdict_resent = sa.and_(resent, Job.state == JobState.judging, Job.enqueued_at > Job.judging_at)
-        row = session.execute(
-            sa.select(
-                again,
-                verdict_again,
-                sa.func.sum(sa.case((accelerator_resent, 1), else_=0)),
-                sa.func.sum(sa.case((verdict_resent, 1), else_=0)),
-                sa.func.sum(Job.resends),
-            ).where(sa.or_(Job.attempts > 1, Job.verdict_attempts > 1, resent))
-        ).one()
+        """Redeliveries, the reconciler's re-sends, and the active jobs riding on a re-sent message."""
+        found = stats.deliveries(session)
         redeliveries = CounterMetricFamily(
             "supportmatrix_redeliveries",
             "Deliveries that took a job's stage again after its first (jobs.attempts, verdict_attempts)",
             labels=["stage"],
         )
-        redeliveries.add_metric([Stage.accelerator.value], row[0] or 0)
-        redeliveries.add_metric([Stage.verdict.value], row[1] or 0)
+        redeliveries.add_metric([Stage.accelerator.value], found.accelerator_redeliveries)
+        redeliveries.add_metric([Stage.verdict.value], found.verdict_redeliveries)
         yield redeliveries
         riding = GaugeMetricFamily(
             "supportmatrix_resent_jobs",
             "Active jobs whose pending message the reconciler re-sent (the first one was lost or not taken)",
             labels=["stage"],
         )
-        riding.add_metric([Stage.accelerator.value], row[2] or 0)
-        riding.add_metric([Stage.verdict.value], row[3] or 0)
+        riding.add_metric([Stage.accelerator.value], found.accelerator_resent_jobs)
+        riding.add_metric([Stage.verdict.value], found.verdict_resent_jobs)
         yield riding
         yield CounterMetricFamily(
             "supportmatrix_reconciler_resends",
             "Messages the reconciler sent again for jobs whose message was lost or not taken (jobs.resends)",
-            value=row[4] or 0,
+            value=found.resends,
         )
 
     # --- hosts and workers ------------------------------------------------------------------------------
@@ -365,11 +277,8 @@ class StateCollector(Collector):
     def hosts(self, session: Session, settings: Settings, now: dt.datetime) -> Iterator[Metric]:
         """Per host, from the workers table: cores of live core-group workers that hold a running job (busy)
         or not (idle), the largest aligned group among the idle ones, and worker liveness."""
-        workers = session.execute(
-            sa.select(Worker.name, Worker.host, Worker.cores, Worker.compiler_version, Worker.heartbeat_at)
-        ).tuples()
-        owners = session.scalars(sa.select(Job.lease_owner).where(Job.state == JobState.running)).all()
-        holders = [LeaseOwner.parse(owner) for owner in owners if owner]
+        workers = stats.worker_beats(session)
+        holders = [LeaseOwner.parse(owner) for owner in stats.running_lease_owners(session) if owner]
         busy = {(holder.worker, holder.host) for holder in holders if holder is not None}
         stale = live_since(settings, now)
         cores: dict[str, dict[str, int]] = defaultdict(lambda: {"busy": 0, "idle": 0})
@@ -432,26 +341,16 @@ class StateCollector(Collector):
         """Sweeps by state, and the progress of the unfinished ones and of the newest: their entries by the
         state of the job each got ("none": no job, e.g. a model refused before sizing)."""
         by_state = GaugeMetricFamily("supportmatrix_sweeps", "Sweeps by state", labels=["state"])
-        counts = dict(session.execute(sa.select(Sweep.state, sa.func.count()).group_by(Sweep.state)).tuples().all())
+        counts = stats.sweeps_by_state(session)
         for state in SweepState:
             by_state.add_metric([state.value], counts.get(state, 0))
         yield by_state
-        current = sa.union(
-            sa.select(Sweep.id).where(Sweep.state.in_((SweepState.queued, SweepState.running))),
-            sa.select(sa.func.max(Sweep.id)),
-        )
-        rows = session.execute(
-            sa.select(SweepEntry.sweep_id, Job.state, sa.func.count())
-            .outerjoin(Job, Job.id == SweepEntry.job_id)
-            .where(SweepEntry.sweep_id.in_(sa.select(current.subquery().c[0])))
-            .group_by(SweepEntry.sweep_id, Job.state)
-        ).tuples()
         progress = GaugeMetricFamily(
             "supportmatrix_sweep_entries",
             "Entries of the unfinished sweeps and the newest, by the state of their job",
             labels=["sweep_id", "job_state"],
         )
-        for sweep_id, state, n in rows:
+        for sweep_id, state, n in stats.sweep_progress(session):
             progress.add_metric([str(sweep_id), state.value if state else "none"], n)
         yield progress
 

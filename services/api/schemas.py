@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 from fastapi import Path, Query
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from shared.contracts import RuntimeInfo
-from shared.enums import ErrorClass, JobState, Task
+from shared.contracts.enums import ErrorClass, JobState, Task
+from shared.contracts.run import RuntimeInfo
 from shared.hub.client import MODEL_ID_PATTERN, REVISION_PATTERN, is_model_id, is_revision
 from shared.jobs.submission import TASK_BY_PIPELINE
 from shared.results.records import ResultRecord

@@ -1,5 +1,6 @@
 """The `supportmatrix` command: submit models and wait for their verdicts, read results, jobs, workers and
-diffs, cancel jobs, start sweeps (all through the HTTP API); run the runner here; export; manage tokens.
+diffs, cancel jobs, start sweeps (all through the HTTP API); run the runner here; export and manage tokens (these
+two open the database: the API has no route for them).
 
 Exit status: 0 success; 1 an error, said in one line on stderr (the API unreachable or refusing, a bad token,
 an unknown model, a database error; `--debug` adds the traceback); 2 bad usage; 3 `submit --wait` ended with
@@ -25,8 +26,7 @@ import typer
 from services.cli import display
 from services.cli.client import ApiClient, CliError, one_line
 from services.cli.display import console
-from shared.auth.scopes import Scope
-from shared.enums import ACTIVE_STATES, JobState, SweepState, Task, Verdict
+from shared.contracts.enums import ACTIVE_STATES, JobState, Scope, SweepState, Task, Verdict
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -85,8 +85,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 tokens_app = typer.Typer(
-    help="API tokens. Opens the database directly (SUPPORTMATRIX_DATABASE_URL), as `python -m services.api.tokens` "
-    "does: the API has no token routes, so run this where the database is reachable.",
+    help="API tokens, the only way to manage them. Opens the database directly (SUPPORTMATRIX_DATABASE_URL): the "
+    "API has no token routes, so run this where the service's settings are.",
     no_args_is_help=True,
 )
 app.add_typer(tokens_app, name="tokens")
@@ -337,7 +337,7 @@ def export() -> None:
 
 def _runner_help(field: str) -> str:
     """A runner flag's help, from its RunRequest field: described once."""
-    from shared.contracts import RunRequest
+    from shared.contracts.run import RunRequest
 
     return (RunRequest.model_fields[field].description or "").capitalize() + "."
 
@@ -362,7 +362,8 @@ def run(
     the CPU reference and the accelerator run, then the verdict. Exits with the runner's status."""
     from pydantic import ValidationError
 
-    from shared.contracts import RUNNER_MODULE, RunReport, RunRequest
+    from shared.contracts.report import RunReport
+    from shared.contracts.run import RUNNER_MODULE, RunRequest
 
     try:
         fields = {"model_id": model, "revision": revision, "local_dir": local_dir, "backend": backend,
@@ -388,14 +389,19 @@ def run(
         raise typer.Exit(done.returncode)
     for line in before:
         print(line)
-    cores_used = f"{outcome.cores} core{'s' if outcome.cores > 1 else ''}"
-    console.print(f"{outcome.model_id}: {display.verdict_text(outcome.verdict)} on {outcome.backend}, {cores_used}"
-                  f" ({outcome.compiler_name} {outcome.compiler_version})", highlight=False)  # fmt: skip
-    if outcome.wall_s is not None:
-        peak = f", peak {outcome.peak_memory_bytes / 2**20:.0f} MiB" if outcome.peak_memory_bytes else ""
-        console.print(f"  wall {outcome.wall_s:.1f} s, compile {outcome.compile_s or 0:.1f} s{peak}", highlight=False)
-    if outcome.error_class:
-        console.print(f"  {outcome.error_class.value}: {one_line(outcome.error_message or '')[:300]}", highlight=False)
+    cores = outcome.provenance.cores
+    runtime = outcome.runtime
+    compiler = f" ({runtime.compiler_name} {runtime.compiler_version})" if runtime else ""
+    subject = outcome.subject
+    on = f"{subject.backend}, {cores} core{'s' if cores > 1 else ''}{compiler}"
+    console.print(f"{subject.model_id}: {display.verdict_text(outcome.verdict)} on {on}", highlight=False)
+    timings, peak = outcome.timings, outcome.resources.peak_memory_bytes
+    if timings.wall_s is not None:
+        memory = f", peak {peak / 2**20:.0f} MiB" if peak else ""
+        console.print(f"  wall {timings.wall_s:.1f} s, compile {timings.compile_s or 0:.1f} s{memory}", highlight=False)
+    failure = outcome.failure
+    if failure.error_class:
+        console.print(f"  {failure.error_class.value}: {one_line(failure.error_message or '')[:300]}", highlight=False)
     elif outcome.verdict_reason:
         console.print(f"  {outcome.verdict_reason}", highlight=False)
     raise typer.Exit(done.returncode)

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shared.enums import ACTIVE_STATES, FINISHED_STATES
+from shared.contracts.enums import ACTIVE_STATES, FINISHED_STATES
 
 if TYPE_CHECKING:
     from services.api.schemas import JobOut, WorkerOut

@@ -20,7 +20,7 @@ from services.runner.failures import RunFailure
 from services.runner.measure import graphs_compiled
 from services.runner.specs import AcceleratorSpec, AnySpec, ChildOutcome, DescribeSpec, SpecFile
 from services.runner.tasks import get_task
-from shared.enums import ErrorClass
+from shared.contracts.enums import ErrorClass
 from shared.settings import get_settings
 
 
@@ -60,8 +60,8 @@ def run_role(spec: AnySpec) -> BaseModel:
         runtime = backend.describe()  # the versions that really run
         cache = SharedCompileCache(backend, runtime.compiler_name, runtime.compiler_version, spec.rank)
         data = task.accelerator(spec, backend)
-        data.compile_cache = backend.cache_outcome(cache.new_entries())
-        data.graphs_compiled = graphs_compiled()
+        data.resources.compile_cache = backend.cache_outcome(cache.new_entries())
+        data.resources.graphs_compiled = graphs_compiled()
         cache.push()
         data.runtime = runtime
         return data

@@ -13,7 +13,7 @@ from pathlib import Path
 from services.runner.backends import BACKENDS
 from services.runner.launch import run_child
 from services.runner.specs import DescribeSpec
-from shared.contracts import RuntimeInfo
+from shared.contracts.run import RuntimeInfo
 from shared.settings import get_settings, inherited_environment
 
 # Importing the backend's packages, not running a model: the job's own limit (seconds, in some tests) does not

@@ -21,7 +21,7 @@ from huggingface_hub.errors import (
 )
 
 from services.runner.failures import RunFailure
-from shared.enums import ErrorClass
+from shared.contracts.enums import ErrorClass
 from shared.hub.client import TRANSPORT_ERRORS
 from shared.hub.kinds import unknown_model_type
 

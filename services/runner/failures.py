@@ -7,7 +7,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from shared.enums import ErrorClass
+from shared.contracts.enums import ErrorClass
 from shared.results.signatures import module_of
 
 _OOM_MARKERS = ("out of memory", "outofmemory", "cannot allocate memory", "failed to allocate")

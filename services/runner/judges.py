@@ -13,8 +13,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Protocol
 
-from shared.enums import JudgeKind
-from shared.results.verdict import JudgeOutcome
+from shared.contracts.enums import JudgeKind
+from shared.contracts.evidence import JudgeOutcome
 from shared.settings import Settings
 
 QUESTION = (

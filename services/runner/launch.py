@@ -17,10 +17,10 @@ from pydantic import BaseModel
 
 from services.runner.failures import RunFailure
 from services.runner.specs import ChildOutcome, ChildSpec, SpecFile
-from shared.enums import ErrorClass
+from shared.contracts.enums import ErrorClass
 from shared.processes import ChildProcess, describe_exit, free_port, output_tail
 from shared.settings import get_settings
-from shared.zygote import start_python
+from shared.zygote_client import start_python
 
 POLL_S = 0.2
 CHILD_MODULE = "services.runner.child"

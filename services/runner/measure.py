@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from shared.contracts.report import Timings
+
 
 def peak_rss_bytes() -> int:
     """This process's peak resident set (VmHWM).
@@ -47,15 +49,15 @@ class Stopwatch:
             self.seconds[name] = time.perf_counter() - start
 
 
-def accelerator_timings(clock: Stopwatch) -> dict[str, float]:
+def accelerator_timings(clock: Stopwatch) -> Timings:
     """An accelerator run's timings from its "load", "first" (compile + run) and "generate" (run) phases.
 
     The first call compiles and runs; the second only runs: their difference is the compile time. Wall
     time is what an unmodified user run costs: load, then the first call.
     """
-    return {
-        "load_s": clock.seconds["load"],
-        "compile_s": max(clock.seconds["first"] - clock.seconds["generate"], 0.0),
-        "generate_s": clock.seconds["generate"],
-        "wall_s": clock.seconds["load"] + clock.seconds["first"],
-    }
+    return Timings(
+        load_s=clock.seconds["load"],
+        compile_s=max(clock.seconds["first"] - clock.seconds["generate"], 0.0),
+        generate_s=clock.seconds["generate"],
+        wall_s=clock.seconds["load"] + clock.seconds["first"],
+    )

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.runner.failures import RunFailure
-from shared.enums import ErrorClass, Parallelism
+from shared.contracts.enums import ErrorClass, Parallelism
 from shared.hub.sizing import shape_from_config
 
 

@@ -11,9 +11,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from shared.contracts import AcceleratorData
-from shared.enums import ErrorClass, Task
-from shared.results.verdict import StepEvidence
+from shared.contracts.enums import ErrorClass, Task
+from shared.contracts.evidence import StepEvidence
+from shared.contracts.handoffs import AcceleratorData
 
 
 class ChildSpec(BaseModel):
@@ -63,6 +63,7 @@ class ReferenceResult(BaseModel):
     divergent_steps: list[StepEvidence] = []
     accelerator_loglik: float | None = None
     processor_reordered_steps: list[int] = []  # where the logits processors changed greedy's pick
+    reused: bool = False  # from a stored reference: the model did not run again
 
 
 class ChildOutcome(BaseModel):

@@ -1,6 +1,6 @@
 """The runner's stages: accelerator (pinned cores), verdict and judge (host CPUs), or all of them in one go.
 
-Stages hand over through the job's artifact directory (``shared.contracts.Artifacts``), never through a
+Stages hand over through the job's artifact directory (``shared.contracts.handoffs.Artifacts``), never through a
 database: the worker puts a stored reference there before the verdict stage and stores the new one it
 finds there after.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 import tempfile
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 from services.runner.backends import Backend, get_backend
@@ -19,20 +20,23 @@ from services.runner.judges import make_judge
 from services.runner.launch import run_child, run_ranks
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks import get_task
-from shared.contracts import (
+from services.runner.tasks.conclusion import Conclusion
+from shared.contracts.enums import ErrorClass, Stage, Verdict
+from shared.contracts.handoffs import (
     AcceleratorData,
     AcceleratorOutput,
     Artifacts,
-    RunReport,
-    RunRequest,
     StoredReference,
     VerdictOutput,
     write_model,
 )
-from shared.enums import ErrorClass, Stage, Verdict
+from shared.contracts.report import Failure, Provenance, RunReport, Subject
+from shared.contracts.run import RunRequest
 from shared.hub.sizing import ModelShape, checkpoint_shape, default_core_memory_bytes, per_core_bytes, size_model
 from shared.results.signatures import error_signature
+from shared.results.verdict import Tolerances, decide
 from shared.settings import Settings, inherited_environment
+from shared.testconfig import reference_key
 
 
 def run(request: RunRequest, settings: Settings) -> RunReport:
@@ -81,14 +85,9 @@ def _timeout(request: RunRequest, backend: Backend) -> float:
 def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -> RunReport:
     """Download, size, load, compile, generate; leave an AcceleratorOutput. The report's verdict stays None
     unless the run ended here (ERROR, or SKIPPED as too large)."""
-    report = RunReport(
-        model_id=request.model_id,
-        revision=request.revision,
-        task=request.task.value,
-        backend=backend.name,
-        host=backend.settings.host_name,
-        core_range=request.core_range,
-    )
+    subject = Subject.model_validate(request.model_copy(update={"backend": backend.name}), from_attributes=True)
+    provenance = Provenance(host=backend.settings.host_name, core_range=request.core_range)
+    report = RunReport(subject=subject, provenance=provenance)
     try:
         checkpoint = download(
             request.model_id,
@@ -97,17 +96,18 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
             backend.settings.hub_retry_delays_s,
             with_code=request.trust_remote_code,
         )
-        report.sha = checkpoint.sha
+        subject.sha = checkpoint.sha
         shape = _checkpoint_shape(checkpoint)
-        report.cores = choose_cores(request, shape, backend)
-        report.predicted_peak_bytes_per_core = per_core_bytes(shape, report.cores, backend.dtype)
+        provenance.cores = choose_cores(request, shape, backend)
+        predicted = per_core_bytes(shape, provenance.cores, backend.dtype)
+        report.resources.predicted_peak_bytes_per_core = predicted
         reproduced = request.model_copy(
-            update={"revision": checkpoint.sha or request.revision, "cores": report.cores, "backend": backend.name}
+            update={"revision": checkpoint.sha or request.revision, "cores": provenance.cores, "backend": backend.name}
         )
-        report.reproduce = reproduced.reproduce_command(backend.reproduce_env())
+        provenance.reproduce = reproduced.reproduce_command(backend.reproduce_env())
         spec = AcceleratorSpec(
             backend=backend.name,
-            world_size=report.cores,
+            world_size=provenance.cores,
             task=request.task,
             model_dir=checkpoint.path,
             artifacts=artifacts.root,
@@ -119,28 +119,14 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
         too_large = failure.error_class == ErrorClass.too_large
         return failed(report, failure, Verdict.SKIPPED if too_large else Verdict.ERROR)
     data = ranks[0]
-    data.peak_memory_bytes = max(r.peak_memory_bytes for r in ranks)
-    assert data.runtime is not None
+    data.resources.peak_memory_bytes = max(r.resources.peak_memory_bytes or 0 for r in ranks)
     runtime = data.runtime
+    assert runtime is not None and runtime.torch_version
+    resources = data.resources.model_copy(update={"predicted_peak_bytes_per_core": predicted})
     report = report.model_copy(
-        update={
-            **runtime.model_dump(),
-            **data.model_dump(
-                include={
-                    "wall_s",
-                    "load_s",
-                    "compile_s",
-                    "generate_s",
-                    "peak_memory_bytes",
-                    "visible_cores",
-                    "compile_cache",
-                    "graphs_compiled",
-                }
-            ),
-            "parallelism": data.parallelism.value,
-        }
+        update={"runtime": runtime, "timings": data.timings, "resources": resources, "placement": data.placement}
     )
-    key = StoredReference.key_for(
+    key = reference_key(
         request.model_id,
         checkpoint.content_id,
         request.task.value,
@@ -193,7 +179,6 @@ def verdict_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -
     if artifacts.stored_reference.exists():
         stored = StoredReference.model_validate_json(artifacts.stored_reference.read_text())
         found = task.reuse(acc.data, stored.data)
-    reused = found is not None
     try:
         if found is None:
             spec = ReferenceSpec(
@@ -207,18 +192,16 @@ def verdict_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -
             env = inherited_environment(backend.reference_env())
             found = run_child(spec, ReferenceResult, env, _timeout(request, backend), artifacts.root)
             new_reference = acc.new_reference(found.data)
-        report, evidence = task.conclude(
-            acc.report.model_copy(update={"reference_reused": reused}), acc.data, found, artifacts, acc.dtype
-        )
+        conclusion = task.conclude(acc.data, found, artifacts, acc.dtype)
     except RunFailure as failure:
         output = VerdictOutput(report=failed(acc.report, failure), dtype=acc.dtype)
     else:
         output = VerdictOutput(
-            report=report,
+            report=conclusion.into(acc.report),
             dtype=acc.dtype,
-            evidence=evidence,
+            evidence=conclusion.evidence,
             new_reference=new_reference,
-            judge_needed=evidence is not None and report.cores > 1,
+            judge_needed=conclusion.evidence is not None and acc.report.provenance.cores > 1,
         )
     write_model(artifacts.verdict, output)
     return output
@@ -228,36 +211,37 @@ def verdict_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -
 
 
 def judge_stage(settings: Settings, artifacts: Artifacts) -> RunReport:
-    """Ask the configured judge about a sharded run's text and decide with its answer.
+    """Ask the configured judge about a sharded run's text and decide with its answer: the same rule, now with
+    the judge's outcome.
 
     It runs in a process of its own that loads no tested checkpoint: the only one given the judge's token.
     """
     output = VerdictOutput.model_validate_json(artifacts.verdict.read_text())
-    report = output.report
+    report, comparison = output.report, output.report.comparison
+    assert output.evidence is not None
     try:
         with phase(ErrorClass.runtime):
             judge = make_judge(settings).judge(
-                report.generated_text or "",
-                report.reference_text or "",
-                report.accelerator_loglik or 0.0,
-                report.reference_loglik or 0.0,
+                comparison.generated_text or "",
+                comparison.reference_text or "",
+                comparison.accelerator_loglik or 0.0,
+                comparison.reference_loglik or 0.0,
             )
     except RunFailure as failure:
         return failed(report, failure, prefix="judge: ")
-    return output.judged(judge)
+    decision = decide(replace(output.evidence, judge=judge), Tolerances.for_dtype(output.dtype))
+    judged = Conclusion.of(decision, comparison, output.evidence).into(report)
+    return judged.model_copy(update={"judge": judge.audit()})
 
 
 def failed(report: RunReport, failure: RunFailure, verdict: Verdict = Verdict.ERROR, prefix: str = "") -> RunReport:
     """The report of a stage that ended with ``failure``: its class, message and (ERROR) signature, and the
     graphs the accelerator's compiler built when the failure says and the report does not already."""
-    update: dict[str, object] = {
-        "verdict": verdict,
-        "error_class": failure.error_class,
-        "error_message": prefix + failure.message,
-    }
-    if report.graphs_compiled is None:
-        update["graphs_compiled"] = failure.graphs_compiled
+    ended = Failure(error_class=failure.error_class, error_message=prefix + failure.message)
     if verdict == Verdict.ERROR:
-        signature = error_signature(failure.error_class, prefix + failure.cause, failure.trace, report.model_id)
-        update |= {"failure_signature": signature.text, "signature_id": signature.id}
-    return report.model_copy(update=update)
+        signature = error_signature(failure.error_class, prefix + failure.cause, failure.trace, report.subject.model_id)
+        ended = ended.model_copy(update={"failure_signature": signature.text, "signature_id": signature.id})
+    resources = report.resources
+    if resources.graphs_compiled is None:
+        resources = resources.model_copy(update={"graphs_compiled": failure.graphs_compiled})
+    return report.model_copy(update={"verdict": verdict, "failure": ended, "resources": resources})

@@ -16,8 +16,10 @@ import sys
 
 from services.worker import registry
 from services.worker.celery_app import app
-from shared.contracts import RuntimeInfo, installed_version, write_model
+from shared.contracts.handoffs import write_model
+from shared.contracts.run import RuntimeInfo
 from shared.cores import CoreGroup
+from shared.installed import installed_version
 from shared.jobs.queues import job_queue, verdict_queue
 from shared.settings import Settings, child_environment, get_settings
 

@@ -10,7 +10,7 @@ their cores are free. Every plan, drain, start and exit is one log line with the
 behind it. Beside them it keeps ``SUPPORTMATRIX_VERDICT_WORKERS`` verdict workers on the host's CPUs,
 unpinned: a job's verdict stage runs there after its accelerator stage has given its cores back; and the
 host's zygote, which forks the workers' runners with torch and transformers already imported
-(``SUPPORTMATRIX_ZYGOTE``, on by default; shared/zygote.py).
+(``SUPPORTMATRIX_ZYGOTE``, on by default; shared/zygote_client.py).
 """
 
 from __future__ import annotations
@@ -25,19 +25,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import sqlalchemy as sa
-
 from services.worker.__main__ import describe_runtime
 from services.worker.__main__ import main as worker_main
 from services.worker.planner import HostPlan, HostState, plan_host
 from shared.cores import CoreGroup
 from shared.db.engine import get_engine, new_session
-from shared.db.models import Job, Worker, utcnow
-from shared.enums import JobState
-from shared.jobs.rules import LeaseOwner, live_since
+from shared.db.models import utcnow
+from shared.jobs.backlog import backlog_facts
+from shared.jobs.lease import LeaseOwner
+from shared.jobs.runtimes import live_since
 from shared.processes import ChildProcess, die_with_parent, run_as_child
 from shared.settings import Settings, child_environment, get_settings
-from shared.zygote import ZYGOTE_ENVIRONMENT, zygote_address
+from shared.zygote_client import ZYGOTE_ENVIRONMENT, zygote_address
 
 ACCELERATOR_WORKER_PREFIX = "cores-"  # an accelerator worker is named cores-<group>
 RECENT_JOBS = 200  # the accelerator-stage durations the expected seconds per size come from
@@ -80,45 +79,24 @@ def share(queued: int, hosts: int, index: int) -> int:
 
 def read_backlog(settings: Settings) -> HostBacklog:
     with new_session() as session:
-        queued_rows = session.execute(
-            sa.select(Job.cores, sa.func.count(), sa.func.min(Job.created_at))
-            .where(Job.backend == settings.backend, Job.state == JobState.queued)
-            .group_by(Job.cores)
-        ).all()
-        now = utcnow()
-        owners = session.execute(
-            sa.select(Job.cores, Job.lease_owner).where(Job.backend == settings.backend, Job.state == JobState.running)
-        ).all()
-        live = set(
-            session.scalars(sa.select(Worker.host).where(Worker.heartbeat_at >= live_since(settings)).distinct()).all()
-        )
-        recent = session.execute(
-            sa.select(Job.cores, Job.started_at, Job.judging_at)
-            .where(
-                Job.backend == settings.backend,
-                Job.state.in_((JobState.judging, JobState.done, JobState.failed)),
-                Job.started_at.is_not(None),
-                Job.judging_at.is_not(None),
-            )
-            .order_by(Job.id.desc())
-            .limit(RECENT_JOBS)
-        ).all()
-    queued = {int(size): int(n) for size, n, _ in queued_rows}
-    waited = {int(size): (now - oldest).total_seconds() for size, _, oldest in queued_rows}
-    hosts = sorted(live | {settings.host_name})
+        facts = backlog_facts(session, settings.backend, live_since(settings), RECENT_JOBS)
+    now = utcnow()
+    queued = {q.cores: q.jobs for q in facts.queued}
+    waited = {q.cores: (now - q.oldest).total_seconds() for q in facts.queued}
+    hosts = sorted(facts.live_hosts | {settings.host_name})
     index = hosts.index(settings.host_name)
     jobs = {size: share(n, len(hosts), index) for size, n in queued.items()}
     busy = set()
-    for size, owner in owners:
+    for size, owner in facts.running:
         holder = LeaseOwner.parse(owner or "")
         if holder is None or holder.host != settings.host_name:
             continue
-        jobs[int(size)] = jobs.get(int(size), 0) + 1
+        jobs[size] = jobs.get(size, 0) + 1
         if holder.worker.startswith(ACCELERATOR_WORKER_PREFIX):
             busy.add(CoreGroup.parse(holder.worker.removeprefix(ACCELERATOR_WORKER_PREFIX)))
     durations: dict[int, list[float]] = {}
-    for size, started, judging in recent:
-        durations.setdefault(int(size), []).append((judging - started).total_seconds())
+    for size, seconds in facts.stage_seconds:
+        durations.setdefault(size, []).append(seconds)
     return HostBacklog(
         jobs={size: n for size, n in jobs.items() if n},
         queued=queued,
@@ -249,7 +227,7 @@ class HostLauncher:
         return plan
 
     def keep_zygote(self) -> None:
-        """Start the host's zygote (shared/zygote.py), and again if it ended: until it is ready, runners start
+        """Start the host's zygote (shared/zygote_client.py), and again if it ended: until it is ready, runners start
         as fresh interpreters."""
         if not self.settings.zygote or (self.zygote is not None and self.zygote.poll() is None):
             return
@@ -259,7 +237,7 @@ class HostLauncher:
             log(f"exit: zygote ended on its own (exit {self.zygote.returncode})")
         address = zygote_address(self.settings.data_dir, self.settings.host_name)
         self.zygote = subprocess.Popen(
-            [sys.executable, "-m", "services.runner.zygote", address],
+            [sys.executable, "-m", "services.runner.zygote_server", address],
             env=child_environment(self.settings, ZYGOTE_ENVIRONMENT),
             preexec_fn=die_with_parent,  # a launcher killed outright takes it along: the next one's can bind
         )

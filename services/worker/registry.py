@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 
-from shared.contracts import RuntimeInfo
+from shared.contracts.run import RuntimeInfo
 from shared.cores import CoreGroup
 from shared.db.engine import session_scope
 from shared.db.models import Worker, utcnow

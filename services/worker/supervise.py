@@ -2,7 +2,7 @@
 
 The worker never imports torch or the runner: it starts `python -m services.runner` (the command derived
 from a ``RunRequest``) in its own process group, with an allow-listed environment — forked from the host's
-warm zygote when there is one (shared/zygote.py), else as a fresh interpreter — and reads the report it
+warm zygote when there is one (shared/zygote_client.py), else as a fresh interpreter — and reads the report it
 writes. Whatever happens to that process — crash, hang, OOM kill — ends here as a RunReport (ERROR with its
 class), never as a dead worker. The runner dies with the worker too: a fresh one by a parent-death signal, a
 forked one by the zygote when the worker's connection to it closes.
@@ -19,14 +19,15 @@ from collections.abc import Callable
 from celery.utils.log import get_task_logger
 from pydantic import ValidationError
 
-from shared.contracts import RUNNER_MODULE, RunReport, RunRequest
+from shared.contracts.enums import ErrorClass, Verdict
+from shared.contracts.report import RunReport
+from shared.contracts.run import RUNNER_MODULE, RunRequest
 from shared.cores import CoreGroup, cpu_set, pin_environment
 from shared.db.models import Job
-from shared.enums import ErrorClass, Verdict
-from shared.jobs.rules import job_report
+from shared.jobs.outcomes import job_report
 from shared.processes import describe_exit, output_tail
 from shared.settings import Settings, child_environment
-from shared.zygote import kill_group, start_python, zygote_address
+from shared.zygote_client import kill_group, start_python, zygote_address
 
 logger = get_task_logger(__name__)
 
@@ -95,5 +96,5 @@ def supervise(
         tail = output_tail(log_path)
         message = f"runner {describe_exit(returncode)} without a report ({type(exc).__name__}); output:\n{tail}"
         return failed(ErrorClass.crash, message)
-    report.cores = job.cores
+    report.provenance.cores = job.cores
     return report

@@ -24,10 +24,12 @@ from services.worker import registry
 from services.worker.celery_app import app
 from services.worker.collector import export_requested
 from services.worker.supervise import supervise
-from shared.contracts import AcceleratorOutput, Artifacts, RunReport, RunRequest, VerdictOutput, write_model
+from shared.contracts.enums import ErrorClass, Stage, SweepState, Verdict
+from shared.contracts.handoffs import AcceleratorOutput, Artifacts, VerdictOutput, write_model
+from shared.contracts.report import RunReport
+from shared.contracts.run import RunRequest
 from shared.db.engine import DB_ERRORS, new_session, session_scope
 from shared.db.models import Job, Sweep, utcnow
-from shared.enums import ErrorClass, Stage, SweepState, Verdict
 from shared.hub.client import HubUnavailable
 from shared.jobs.broker import (
     EXPORT_WINDOW_S,
@@ -38,18 +40,11 @@ from shared.jobs.broker import (
     request_sweep,
 )
 from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
+from shared.jobs.lease import Claim, LeaseOwner, acquire_lease, heartbeat, release_for_verdict
+from shared.jobs.outcomes import finish, job_report
 from shared.jobs.queues import EXPORT_TASK, JUDGE_JOB_TASK, RECONCILE_TASK, RUN_JOB_TASK, SWEEP_TASK, verdict_queue
 from shared.jobs.reconcile import claim_sweep
 from shared.jobs.reconcile import reconcile as reconcile_jobs
-from shared.jobs.rules import (
-    Claim,
-    LeaseOwner,
-    acquire_lease,
-    finish,
-    heartbeat,
-    job_report,
-    release_for_verdict,
-)
 from shared.jobs.sweeps import open_sweep, run_sweep
 from shared.results import references
 from shared.settings import Settings, get_settings, hub_token
@@ -144,18 +139,11 @@ def accelerator_secrets(job: Job, settings: Settings, hub_read_token: str | None
 
 
 def _stage_request(job: Job, stage: Stage, artifacts: Artifacts, core_range: str | None = None) -> RunRequest:
-    return RunRequest(
-        model_id=job.model_id,
-        revision=job.sha,
-        backend=job.backend,
-        task=job.task,
-        cores=job.cores,
-        trust_remote_code=job.trust_remote_code,
-        core_range=core_range,
-        stage=stage,
-        artifacts=artifacts.root,
-        report=artifacts.root / f"{stage.value}-report.json",
-    )
+    """What a stage's runner is asked: the job's identity (read under the request's field names), at the commit
+    it was sized at, and where this stage's files go."""
+    asked = RunRequest.model_validate(job, from_attributes=True)
+    where = {"artifacts": artifacts.root, "report": artifacts.root / f"{stage.value}-report.json"}
+    return asked.model_copy(update={"revision": job.sha, "core_range": core_range, "stage": stage, **where})
 
 
 # max_retries=None: a delivery that meets a live lease (or a silent database) is retried until the job leaves
@@ -181,7 +169,7 @@ def run_job(self: Any, job_id: int) -> str:
     if report.verdict is not None:  # it ended here: ERROR, or SKIPPED as too large
         return _write_result(job_id, owner, report, artifacts, settings)
     queue = verdict_queue(settings.host_name)
-    released = durably(settings, lambda s: release_for_verdict(s, job_id, owner, queue, report.torch_version or ""))
+    released = durably(settings, lambda s: release_for_verdict(s, job_id, owner, queue, _torch_version(report)))
     if not released:
         shutil.rmtree(artifacts.root, ignore_errors=True)
         return "lease lost after the accelerator stage; nothing written"
@@ -222,6 +210,10 @@ def judge_job(self: Any, job_id: int) -> str:
     return _write_result(job_id, owner, report, artifacts, settings)
 
 
+def _torch_version(report: RunReport) -> str:
+    return (report.runtime.torch_version if report.runtime else None) or ""
+
+
 def _hand_over_stored_reference(artifacts: Artifacts, settings: Settings) -> None:
     """Put the stored reference this run can reuse (if any) where the verdict stage looks for it."""
     key = AcceleratorOutput.model_validate_json(artifacts.accelerator.read_text()).reference_key
@@ -238,7 +230,8 @@ def _write_result(job_id: int, owner: str, report: RunReport, artifacts: Artifac
     if written:
         request_export(app, [job_id])
     _retire_artifacts(artifacts, keep=written and report.verdict == Verdict.FAIL, settings=settings)
-    return f"{report.verdict} {report.error_class or ''}".strip() if written else "lease lost; nothing written"
+    said = f"{report.verdict} {report.failure.error_class or ''}".strip()
+    return said if written else "lease lost; nothing written"
 
 
 def _retire_artifacts(artifacts: Artifacts, keep: bool, settings: Settings) -> None:

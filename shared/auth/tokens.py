@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from shared.auth.scopes import Scope
+from shared.contracts.enums import Scope
 from shared.db.models import ApiToken, utcnow
 
 # The prefix lets secret scanners (and people) recognise a leaked token.

@@ -9,9 +9,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from shared.auth.scopes import Scope
-from shared.contracts import LIBRARY, RuntimeInfo
-from shared.enums import ACTIVE_STATES, ErrorClass, JobState, SweepState, Verdict
+from shared.contracts.enums import ACTIVE_STATES, ErrorClass, JobState, Scope, SweepState, Verdict
+from shared.contracts.fields import FieldShape, shape_of
+from shared.contracts.report import row_fields
+from shared.contracts.run import LIBRARY, RuntimeInfo
 
 
 def utcnow() -> dt.datetime:
@@ -144,52 +145,34 @@ class Job(RuntimeIdentity, Base):
     )
 
 
-class Result(Base):
+def sql_type(shape: FieldShape) -> sa.types.TypeEngine[Any]:
+    """The column type of a record field (``shared.contracts.fields``): its width where it declares one."""
+    if isinstance(shape.kind, type) and issubclass(shape.kind, StrEnum):
+        return enum_column(shape.kind)
+    if shape.kind in (list, dict):
+        return sa.JSON()
+    if shape.kind is str:
+        return sa.String(shape.max_length) if shape.max_length else sa.Text()
+    if shape.kind is int:
+        return sa.Integer() if shape.int32 else sa.BigInteger()
+    return {bool: sa.Boolean(), float: sa.Double()}[shape.kind]
+
+
+def _report_columns() -> type:
+    """A mixin with a column for each field a result row keeps of a report (``shared.contracts.report``): the
+    report's parts declare them, once; this types them."""
+    columns = {f.name: mapped_column(sql_type(shape_of(f.info)), nullable=f.optional) for f in row_fields()}
+    return type("ReportColumns", (), columns)
+
+
+class Result(_report_columns(), Base):  # type: ignore[misc]
+    """A finished test: its verdict, and a column per field of its report's parts (``RunReport``)."""
+
     __tablename__ = "results"
 
     id: Mapped[int] = mapped_column(primary_key=True)
     job_id: Mapped[int] = mapped_column(sa.ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
-    verdict: Mapped[Verdict] = mapped_column(enum_column(Verdict), index=True)
-    error_class: Mapped[ErrorClass | None] = mapped_column(enum_column(ErrorClass))
-    error_message: Mapped[str | None] = mapped_column(sa.Text)
-    cores: Mapped[int]
-    wall_s: Mapped[float | None]  # load + compile + generate, as the public table counts it
-    load_s: Mapped[float | None]
-    compile_s: Mapped[float | None]
-    generate_s: Mapped[float | None]
-    peak_memory_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
-    generated_token_ids: Mapped[list[int] | None] = mapped_column(sa.JSON)
-    reference_token_ids: Mapped[list[int] | None] = mapped_column(sa.JSON)
-    generated_text: Mapped[str | None] = mapped_column(sa.Text)
-    reference_text: Mapped[str | None] = mapped_column(sa.Text)
-    first_divergence: Mapped[int | None]
-    host: Mapped[str | None] = mapped_column(sa.String(200))
-    core_range: Mapped[str | None] = mapped_column(sa.String(32))
-    torch_version: Mapped[str | None] = mapped_column(sa.String(64))
-    library_version: Mapped[str | None] = mapped_column(sa.String(64))
-    compiler_version: Mapped[str | None] = mapped_column(sa.String(100))
-    reproduce: Mapped[str | None] = mapped_column(sa.Text)
-    parallelism: Mapped[str | None] = mapped_column(sa.String(16))
-    visible_cores: Mapped[str | None] = mapped_column(sa.String(200))
-    compile_cache: Mapped[str | None] = mapped_column(sa.String(8))
-    reference_reused: Mapped[bool | None]  # the CPU reference came from reference_runs, not a new run
-    verdict_reason: Mapped[str | None] = mapped_column(sa.Text)
-    tokens_match: Mapped[bool | None]
-    prefill_rel_error: Mapped[float | None]
-    accelerator_loglik: Mapped[float | None]
-    reference_loglik: Mapped[float | None]
-    similarity: Mapped[float | None]
-    judge_kind: Mapped[str | None] = mapped_column(sa.String(32))
-    judge_model: Mapped[str | None] = mapped_column(sa.String(200))
-    judge_prompt_hash: Mapped[str | None] = mapped_column(sa.String(64))
-    judge_answer: Mapped[str | None] = mapped_column(sa.Text)
-    judge_rationale: Mapped[str | None] = mapped_column(sa.Text)
-    evidence: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON)
-    # What an ERROR or FAIL row failed of, normalised so that one cause reads as one line (GET /failures)
-    failure_signature: Mapped[str | None] = mapped_column(sa.Text)
-    signature_id: Mapped[str | None] = mapped_column(sa.String(16), index=True)  # a digest of the signature
-    graphs_compiled: Mapped[int | None]  # graphs the compiler built (a recompiling model builds many)
-    predicted_peak_bytes_per_core: Mapped[int | None] = mapped_column(sa.BigInteger)  # the sizing's estimate
+    verdict: Mapped[Verdict] = mapped_column(enum_column(Verdict), index=True)  # a row is a finished test
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     job: Mapped[Job] = relationship(back_populates="result")
@@ -198,6 +181,7 @@ class Result(Base):
         # /metrics' families over every finished row (bench/metrics_scrape.py): verdicts and cache outcomes per
         # compiler version, compile-time histograms, the slowest models.
         sa.Index("ix_results_metrics", "compiler_version", "verdict", "error_class", "compile_cache"),
+        sa.Index("ix_results_signature_id", "signature_id"),  # GET /failures groups by it
         sa.Index(
             "ix_results_compile_s", "compiler_version", "compile_s",
             sqlite_where=sa.text("compile_s IS NOT NULL"), postgresql_where=sa.text("compile_s IS NOT NULL"),
@@ -292,7 +276,7 @@ class ReferenceRun(LibraryIdentity, Base):
 
 class ApiToken(Base):
     """A bearer token of the API's write routes. Only its SHA-256 is stored; the token is shown once, when
-    it is created (``python -m services.api.tokens create``). A revoked token keeps its row and its name."""
+    it is created (``supportmatrix tokens create``). A revoked token keeps its row and its name."""
 
     __tablename__ = "api_tokens"
 

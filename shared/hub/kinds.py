@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, NamedTuple
 
-from shared.enums import ErrorClass, Verdict
+from shared.contracts.enums import ErrorClass, Verdict
 from shared.hub.sizing import config_view
 
 

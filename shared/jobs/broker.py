@@ -1,6 +1,6 @@
 """The Celery configuration both sides use: the API as a producer, the worker as a consumer.
 
-Redis only delivers job ids; whether a job runs is decided by its lease in SQL (shared.jobs.rules). So a
+Redis only delivers job ids; whether a job runs is decided by its lease in SQL (shared.jobs.lease). So a
 redelivery (visibility timeout, a worker lost mid-job, the reconciler) is harmless: a delivery that finds
 the job finished does nothing, one that finds it under a live lease is retried later (the owner may die),
 and one that finds a dead owner's lease takes the job over.

@@ -6,12 +6,13 @@ that no worker will ever be told about, so a broker that refuses the messages ta
 
 from __future__ import annotations
 
+import sqlalchemy as sa
 from celery import Celery
 from sqlalchemy.orm import Session
 
-from shared.db.models import Sweep
-from shared.jobs import rules
+from shared.db.models import Job, Result, Sweep
 from shared.jobs.broker import BROKER_ERRORS, enqueue_job, request_sweep
+from shared.jobs.submission import Submitted
 
 
 class QueueUnavailable(RuntimeError):
@@ -19,7 +20,7 @@ class QueueUnavailable(RuntimeError):
 
 
 def commit_and_enqueue(
-    session: Session, producer: Celery, submitted: list[rules.Submitted], *, keep_on_broker_failure: bool = False
+    session: Session, producer: Celery, submitted: list[Submitted], *, keep_on_broker_failure: bool = False
 ) -> None:
     """Commit the submission, then enqueue each job that waits for a worker.
 
@@ -36,7 +37,7 @@ def commit_and_enqueue(
                 enqueue_job(producer, s.job.id, s.job.queue)
     except BROKER_ERRORS as exc:
         if not keep_on_broker_failure:
-            rules.withdraw(session, [s.job.id for s in submitted if s.created])
+            withdraw(session, [s.job.id for s in submitted if s.created])
             session.commit()
         raise QueueUnavailable(str(exc)) from exc
 
@@ -50,3 +51,10 @@ def commit_and_request_sweep(session: Session, producer: Celery, sweep: Sweep) -
         session.delete(sweep)
         session.commit()
         raise QueueUnavailable(str(exc)) from exc
+
+
+def withdraw(session: Session, job_ids: list[int]) -> None:
+    """Remove the jobs (and any result settled at submission) of a submission that could not be enqueued."""
+    if job_ids:
+        session.execute(sa.delete(Result).where(Result.job_id.in_(job_ids)))
+        session.execute(sa.delete(Job).where(Job.id.in_(job_ids)))

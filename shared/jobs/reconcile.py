@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from shared.contracts.enums import ErrorClass, JobState, Stage, SweepState, Verdict
 from shared.db.models import Job, QueueSeen, Sweep, utcnow
-from shared.enums import ErrorClass, JobState, Stage, SweepState, Verdict
-from shared.jobs.rules import close_unattended, job_report
+from shared.jobs.outcomes import close_unattended, job_report
 from shared.settings import Settings
 
 

@@ -13,15 +13,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from shared.enums import ErrorClass, Task, Verdict
+from shared.contracts.enums import ACTIVE_STATES, ErrorClass, JobState, Task, Verdict
+from shared.contracts.run import RuntimeInfo
+from shared.db.models import Job
 from shared.hub import kinds
 from shared.hub.client import Gated, ResolvedModel, Unsizable, adapter_base, model_shape, read_json, resolve_model
 from shared.hub.kinds import Refusal
 from shared.hub.sizing import default_core_memory_bytes, run_dtype, size_model
-from shared.jobs import rules as jobs
+from shared.jobs.outcomes import settle
+from shared.jobs.queues import job_queue
+from shared.jobs.runtimes import plan_runtimes
 from shared.settings import Settings
+from shared.testconfig import config_hash
 
 # The Hub's pipeline tags we know how to test, and the task each is tested as.
 TASK_BY_PIPELINE = {
@@ -59,19 +66,95 @@ def choose_task(model: ResolvedModel, requested: Task | None) -> Task:
     return task
 
 
-def submit_model(session: Session, settings: Settings, request: Request) -> list[jobs.Submitted]:
+@dataclass
+class Submitted:
+    job: Job
+    created: bool
+    enqueue: bool = False  # created and waiting for a worker (not settled at submission)
+
+
+def _identity(model: ResolvedModel, runtime: RuntimeInfo, task: str, cores: int) -> sa.ColumnElement[bool]:
+    return sa.and_(
+        Job.model_id == model.model_id,
+        Job.sha == model.sha,
+        Job.compiler_version == runtime.compiler_version,
+        Job.library_version == runtime.library_version,
+        Job.task == task,
+        Job.config_hash == config_hash(task),
+        Job.cores == cores,
+    )
+
+
+def _existing(session: Session, identity: sa.ColumnElement[bool], force: bool) -> Job | None:
+    states = ACTIVE_STATES if force else (*ACTIVE_STATES, JobState.done)
+    return session.scalars(
+        sa.select(Job).where(identity, Job.state.in_(states)).order_by(Job.id.desc()).limit(1)
+    ).first()
+
+
+def submit(
+    session: Session,
+    model: ResolvedModel,
+    revision: str | None,
+    runtimes: list[RuntimeInfo],
+    *,
+    force: bool = False,
+    task: str = Task.text_generation.value,
+    cores: int = 1,
+) -> list[Submitted]:
+    """One job per runtime; an identical queued, running or done job is returned instead of a new one.
+
+    ``force`` reruns finished jobs but never doubles a queued or running one. The caller commits, then
+    enqueues the created jobs: a message must never reach a worker before its row does.
+    """
+    out: list[Submitted] = []
+    for runtime in runtimes:
+        identity = _identity(model, runtime, task, cores)
+        existing = _existing(session, identity, force)
+        if existing is not None:
+            out.append(Submitted(existing, created=False))
+            continue
+        job = Job(
+            model_id=model.model_id,
+            revision=revision,
+            sha=model.sha,
+            task=task,
+            config_hash=config_hash(task),
+            gated=model.gated,
+            trust_remote_code=model.needs_remote_code,
+            **runtime.model_dump(),
+            cores=cores,
+            queue=job_queue(runtime.backend, runtime.compiler_version, cores),
+            state=JobState.queued,
+        )
+        try:
+            with session.begin_nested():
+                session.add(job)
+                session.flush()
+        except IntegrityError:
+            # A concurrent submission inserted the same active job first: return that one.
+            raced = _existing(session, identity, force=True)
+            if raced is None:
+                raise
+            out.append(Submitted(raced, created=False))
+            continue
+        out.append(Submitted(job, created=True, enqueue=True))
+    return out
+
+
+def submit_model(session: Session, settings: Settings, request: Request) -> list[Submitted]:
     """Insert (or find) the jobs of a request. Raises the Hub's, the planner's and the task's refusals."""
     model = resolve_model(request.model_id, request.revision, fresh=request.fresh)
     task = choose_task(model, request.task)
-    runtimes = jobs.plan_runtimes(session, settings, request.compilers)
+    runtimes = plan_runtimes(session, settings, request.compilers)
     cores, refusal = admit(model, settings, request.cores)
-    submitted = jobs.submit(session, model, request.revision, runtimes, force=request.force, task=task.value,
+    submitted = submit(session, model, request.revision, runtimes, force=request.force, task=task.value,
                             cores=cores or 1)  # fmt: skip
     if refusal is not None:
         for s in submitted:
             if s.created:
                 session.flush()
-                jobs.settle(session, s.job, *refusal)
+                settle(session, s.job, *refusal)
                 s.enqueue = False
     return submitted
 

@@ -18,11 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from shared.contracts.enums import JobState, SweepState, Task, Verdict
 from shared.db.models import Job, Result, Sweep, SweepEntry, utcnow
-from shared.enums import JobState, SweepState, Task, Verdict
 from shared.hub.client import HubError, ModelNotFound, RevisionNotFound, list_top, resolve_model
-from shared.jobs import rules as jobs
-from shared.jobs.submission import Request, submit_model
+from shared.jobs.runtimes import NoRuntime, served_runtimes
+from shared.jobs.submission import Request, Submitted, submit_model
 from shared.results.cells import CellStatus, cells
 from shared.settings import Settings
 
@@ -68,13 +68,13 @@ def candidates(settings: Settings) -> list[Candidate]:
     return found
 
 
-def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.Submitted]:
+def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[Submitted]:
     """Submit every candidate; returns what to enqueue after the caller commits. HubUnavailable propagates."""
     sweep.state = SweepState.running
     sweep.config = {"tasks": settings.sweep_tasks, "limit": settings.sweep_limit, "selected": settings.sweep_selected}
-    to_enqueue: list[jobs.Submitted] = []
+    to_enqueue: list[Submitted] = []
     # A model in several views is submitted once; each view still gets its entry.
-    submitted_before: dict[tuple[str, str], tuple[list[jobs.Submitted], str | None]] = {}
+    submitted_before: dict[tuple[str, str], tuple[list[Submitted], str | None]] = {}
     for c in candidates(settings):
         key = (c.model_id, c.task)
         if key not in submitted_before:
@@ -82,7 +82,7 @@ def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.S
                 task = Task(c.task) if c.task else None
                 submitted = submit_model(session, settings, Request(c.model_id, task=task, fresh=True))
                 submitted_before[key] = (submitted, None)
-            except (ModelNotFound, RevisionNotFound, ValueError, jobs.NoRuntime) as exc:  # ValueError: task, compiler
+            except (ModelNotFound, RevisionNotFound, ValueError, NoRuntime) as exc:  # ValueError: task, compiler
                 submitted_before[key] = ([], str(exc))
             to_enqueue += [s for s in submitted_before[key][0] if s.enqueue]
         add_entries(session, sweep, c, *submitted_before[key])
@@ -97,13 +97,13 @@ def expected_work(parameters: int, cores: int) -> float:
     return parameters / max(cores, 1)
 
 
-def longest_first(submitted: list[jobs.Submitted]) -> list[jobs.Submitted]:
+def longest_first(submitted: list[Submitted]) -> list[Submitted]:
     """A sweep's jobs in the order to enqueue them: the longest expected first (longest processing time
     first). Each group size's queue is FIFO, so a long job enqueued late would start late and end the sweep
     alone (bench/makespan.py measures it). The parameter counts come from the Hub answers submission just
     cached; a model without them goes last."""
 
-    def work(s: jobs.Submitted) -> float:
+    def work(s: Submitted) -> float:
         try:
             model = resolve_model(s.job.model_id, s.job.revision)
         except HubError:
@@ -114,7 +114,7 @@ def longest_first(submitted: list[jobs.Submitted]) -> list[jobs.Submitted]:
 
 
 def add_entries(
-    session: Session, sweep: Sweep, candidate: Candidate, submitted: list[jobs.Submitted], note: str | None
+    session: Session, sweep: Sweep, candidate: Candidate, submitted: list[Submitted], note: str | None
 ) -> None:
     """One entry per job the candidate got, or one entry with the note saying why it got none."""
     for s in submitted or [None]:
@@ -132,11 +132,11 @@ def add_entries(
         )
 
 
-def rerun_flipped_cells(session: Session, settings: Settings, sweep: Sweep) -> list[jobs.Submitted]:
+def rerun_flipped_cells(session: Session, settings: Settings, sweep: Sweep) -> list[Submitted]:
     """One more run of each FLAKY cell of a served compiler whose runs flipped sweep_rerun_flips times."""
     if not settings.sweep_rerun_flips:
         return []
-    served = {r.compiler_version for r in jobs.served_runtimes(session, settings)}
+    served = {r.compiler_version for r in served_runtimes(session, settings)}
     queued = []
     for cell in cells(session):
         if cell.status != CellStatus.FLAKY or cell.flips < settings.sweep_rerun_flips:

@@ -1,8 +1,10 @@
 """Results as flat records: one shape for the API (JSON, CSV, Parquet) and the dataset export.
 
-``ResultRecord`` is that shape's one home: the Parquet schema is derived from it and ``record`` fills it from
-a job and its result row. The first six fields are the public dataset's (aws-neuron/torch-neuronx-model-support),
-with its names; ours follow. Field order is column order, so existing Parquet files keep their layout.
+``ResultRecord`` is that shape's one home, and it is derived: the job's identity (``RecordHead``: the public
+dataset's six columns first, aws-neuron/torch-neuronx-model-support, with its names), then every column a result
+row keeps of a report (``shared.contracts.report.row_fields``, declared once in the report's parts) but those it
+publishes under the public names and those kept in SQL only, then the job's id and end. The Parquet schema is
+derived from the record, and ``RECORD_SELECT`` reads it straight from SQL. Field order is column order.
 """
 
 from __future__ import annotations
@@ -11,30 +13,28 @@ import csv
 import datetime as dt
 import io
 import json
-import types
 from collections.abc import Sequence
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any
 
 import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 import sqlalchemy as sa
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 from pydantic.fields import FieldInfo
 from sqlalchemy.orm import Session
 
+from shared.contracts.enums import Verdict
+from shared.contracts.fields import FieldShape, Int32, shape_of
+from shared.contracts.report import row_fields
 from shared.db.models import Job, Result
-from shared.enums import ErrorClass, Verdict
 from shared.results.cells import CellStatus
 
-SCHEMA_VERSION = 2  # 2: failure signatures, graphs compiled, predicted peak memory per core
-
-# The public dataset's integer width; the plain ``int`` fields are int64.
-Int32 = Annotated[int, pa.int32()]
+SCHEMA_VERSION = 3  # 2: failure signatures, graphs compiled, predicted peak memory per core; 3: columns by part
 
 
-class ResultRecord(BaseModel):
-    """One finished test as a flat row."""
+class RecordHead(BaseModel):
+    """What a record is of: the job's identity, under the public dataset's names."""
 
     model_id: str
     neuronx_cc: str = Field(description="The compiler version that ran: neuronx-cc's, or inductor-<torch>.")
@@ -47,47 +47,11 @@ class ResultRecord(BaseModel):
     task: str
     backend: str
     compiler: str
-    error_class: ErrorClass | None = None
-    error_message: str | None = None
-    wall_s: float | None = None
-    load_s: float | None = None
-    compile_s: float | None = None
-    generate_s: float | None = None
-    peak_memory_bytes: int | None = None
-    first_divergence: Int32 | None = None
-    verdict_reason: str | None = None
-    compile_cache: str | None = None
-    reference_reused: bool | None = None
-    parallelism: str | None = None
-    tokens_match: bool | None = None
-    prefill_rel_error: float | None = None
-    accelerator_loglik: float | None = None
-    reference_loglik: float | None = None
-    similarity: float | None = None
-    judge_kind: str | None = None
-    judge_model: str | None = None
-    judge_prompt_hash: str | None = None
-    judge_answer: str | None = None
-    judge_rationale: str | None = None
-    generated_text: str | None = None
-    reference_text: str | None = None
-    generated_token_ids: list[int] | None = None
-    reference_token_ids: list[int] | None = None
-    host: str | None = None
-    core_range: str | None = None
-    visible_cores: str | None = None
-    torch_version: str | None = None
-    reproduce: str | None = None
-    failure_signature: str | None = None
-    signature_id: str | None = None
-    graphs_compiled: Int32 | None = None
-    predicted_peak_bytes_per_core: int | None = None
-    job_id: int
-    finished_at: dt.datetime
 
 
 # Record fields taken from the job (what was asked), by the job attribute each comes from. The result row
-# repeats a few identity columns only as a runner reported them, empty on rows settled without one.
+# repeats a few identity columns only as a runner reported them, empty on rows settled without one: where a
+# result column shares a head field's name, the record publishes the job's.
 FROM_JOB = {
     "model_id": "model_id",
     "neuronx_cc": "compiler_version",
@@ -101,48 +65,55 @@ FROM_JOB = {
 }
 # Result columns published under the public dataset's names.
 RENAMED_RESULT_COLUMNS = {"neuron_cores": "cores", "result": "verdict"}
-# Every other record field that a result column shares its name with comes from the result row.
-SAME_NAMED_RESULT_COLUMNS = [
-    name for name in ResultRecord.model_fields if name in Result.__table__.columns and name not in FROM_JOB
-]
+
+
+def _published_result_fields() -> dict[str, tuple[Any, FieldInfo]]:
+    """The result columns the record publishes under their own names, as optional record fields."""
+    taken = set(RecordHead.model_fields) | set(RENAMED_RESULT_COLUMNS.values())
+    fields: dict[str, tuple[Any, FieldInfo]] = {}
+    for column in row_fields():
+        if column.name in taken or shape_of(column.info).sql_only:
+            continue
+        annotation: Any = column.info.annotation | None
+        if column.info.metadata:  # its widths: Parquet's int32, the strings' bounds
+            annotation = Annotated[annotation, *column.info.metadata]
+        fields[column.name] = (annotation, Field(None, description=column.info.description))
+    return fields
+
+
+# The result columns published under their own names.
+SAME_NAMED_RESULT_COLUMNS = _published_result_fields()
+ResultRecord = create_model(
+    "ResultRecord",
+    __base__=RecordHead,
+    __doc__="One finished test as a flat row.",
+    **SAME_NAMED_RESULT_COLUMNS,  # type: ignore[call-overload]
+    job_id=(int, ...),
+    finished_at=(dt.datetime, ...),
+)
 
 _ARROW_TYPES: list[tuple[type, pa.DataType]] = [
     (bool, pa.bool_()),  # before int: bool is an int
-    (int, pa.int64()),
     (float, pa.float64()),
     (str, pa.string()),  # enums too: they are StrEnums
     (dt.datetime, pa.timestamp("us", tz="UTC")),
 ]
 
 
-def arrow_type(annotation: Any) -> pa.DataType:
+def arrow_type(shape: FieldShape) -> pa.DataType:
     """The Parquet type of a record field: a width given beside its type, else its type's own."""
-    origin = get_origin(annotation)
-    if origin is Annotated:
-        python_type, *extras = get_args(annotation)
-        width = next((e for e in extras if isinstance(e, pa.DataType)), None)
-        return arrow_type(python_type) if width is None else width
-    if origin in (Union, types.UnionType):  # optional, or several enums of one type
-        [found, *others] = [arrow_type(a) for a in get_args(annotation) if a is not type(None)]
-        if any(other != found for other in others):
-            raise TypeError(f"{annotation} has no single Parquet type")
-        return found
-    if origin is list:
-        [item] = get_args(annotation)
-        return pa.list_(arrow_type(item))
+    if shape.kind is list:
+        assert shape.item is not None
+        return pa.list_(arrow_type(FieldShape(kind=shape.item, optional=False)))
+    if shape.kind is int:
+        return pa.int32() if shape.int32 else pa.int64()
     for python_type, arrow in _ARROW_TYPES:
-        if isinstance(annotation, type) and issubclass(annotation, python_type):
+        if isinstance(shape.kind, type) and issubclass(shape.kind, python_type):
             return arrow
-    raise TypeError(f"no Parquet type for {annotation}")
+    raise TypeError(f"no Parquet type for {shape}")
 
 
-def column_type(field: FieldInfo) -> pa.DataType:
-    # pydantic lifts the Annotated extras of a required field into its metadata; an optional one keeps them.
-    width = next((m for m in field.metadata if isinstance(m, pa.DataType)), None)
-    return arrow_type(field.annotation) if width is None else width
-
-
-RESULT_SCHEMA = pa.schema([(name, column_type(field)) for name, field in ResultRecord.model_fields.items()])
+RESULT_SCHEMA = pa.schema([(name, arrow_type(shape_of(f))) for name, f in ResultRecord.model_fields.items()])
 COLUMNS = RESULT_SCHEMA.names
 
 

@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from shared.contracts import StoredReference
+from shared.contracts.handoffs import StoredReference
 from shared.db.models import ReferenceRun
 from shared.testconfig import config_hash
 

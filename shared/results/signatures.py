@@ -8,7 +8,7 @@ digests, paths, URLs and temporary names; compiler error codes (``NCC_EVRF007``)
 that follows letters is kept. The frame is the innermost one of the traceback inside torch, transformers
 or the Neuron compiler stack, without its line number (which moves between releases).
 
-Pure functions: the runner (``services/runner/stages.py``) and the job rules (``shared/jobs/rules.py``)
+Pure functions: the runner (``services/runner/stages.py``) and the job outcomes (``shared/jobs/outcomes.py``)
 both call them.
 """
 

@@ -22,14 +22,15 @@ the reference's is (a random tiny model's text is fluent neither way: the judge 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from shared.enums import JudgeKind, Verdict
+from shared.contracts.enums import Verdict
+from shared.contracts.evidence import Evidence, StepEvidence
 
 
 @dataclass(frozen=True)
 class Tolerances:
-    prefill_rel_error: float  # ||acc - ref|| / ||ref|| of the prefill logits
+    prefill: float  # ||acc - ref|| / ||ref|| of the prefill logits (Comparison.prefill_rel_error)
     near_tie_gap: float  # nats between the reference's best token and the accelerator's
     top_k: int
     loglik_slack: float  # nats per token the accelerator's text may lose against the reference's
@@ -37,7 +38,7 @@ class Tolerances:
     @classmethod
     def for_dtype(cls, dtype: str) -> Tolerances:
         if dtype == "float32":
-            return cls(prefill_rel_error=1e-3, near_tie_gap=1e-3, top_k=5, loglik_slack=0.05)
+            return cls(prefill=1e-3, near_tie_gap=1e-3, top_k=5, loglik_slack=0.05)
         # bf16 / fp16 keep 8-11 bits of mantissa. Measured by bench/calibrate_verdict.py (BENCHMARKS.md, *Verdict
         # calibration*: 203 benign bf16 runs of 10 architectures, graded faults):
         # - prefill 0.04: dense benign runs reach 0.0244 (1.6x margin); a 10 % scaled shard reaches 0.0487 on
@@ -47,48 +48,11 @@ class Tolerances:
         #   positions on these tiny models (logits of 1-4), but a real model's logits of 30-60 round in bf16
         #   steps of 0.125-0.25 nats, so 0.3 stays until trn2 rows say otherwise.
         # - top-5 and 0.3 nats of likelihood slack: benign runs reach rank 1 and a 0.141 drop.
-        return cls(prefill_rel_error=4e-2, near_tie_gap=0.3, top_k=5, loglik_slack=0.3)
+        return cls(prefill=4e-2, near_tie_gap=0.3, top_k=5, loglik_slack=0.3)
 
 
-@dataclass(frozen=True)
-class StepEvidence:
-    step: int
-    accelerator_token: int
-    reference_token: int  # the reference's argmax given the accelerator's prefix
-    gap: float  # reference log-prob of its argmax minus that of the accelerator's token, ≥ 0
-    rank: int  # 0-based rank of the accelerator's token in the reference's distribution
-
-    def is_near_tie(self, tol: Tolerances) -> bool:
-        return self.rank < tol.top_k and self.gap <= tol.near_tie_gap
-
-
-@dataclass(frozen=True)
-class JudgeOutcome:
-    kind: str
-    model: str | None
-    prompt_hash: str
-    fluent: bool | None  # the accelerator's text; None: the judge could not tell
-    reference_fluent: bool | None
-    answer: str  # raw answers, accelerator's then reference's
-    rationale: str
-
-    @property
-    def reads_text(self) -> bool:
-        """A judge that reads the text (a language model), not the likelihoods the rule already weighed."""
-        return self.kind != JudgeKind.likelihood
-
-
-@dataclass(frozen=True)
-class Evidence:
-    generated: Sequence[int]
-    reference: Sequence[int]
-    divergent_steps: Sequence[StepEvidence] = field(default_factory=list)
-    accelerator_loglik: float = 0.0  # mean log-prob per token of the accelerator's text under the reference
-    reference_loglik: float = 0.0  # mean log-prob per token of the reference's own text
-    prefill_rel_error: float = 0.0
-    finite: bool = True
-    sharded: bool = False
-    judge: JudgeOutcome | None = None
+def is_near_tie(step: StepEvidence, tol: Tolerances) -> bool:
+    return step.rank < tol.top_k and step.gap <= tol.near_tie_gap
 
 
 @dataclass(frozen=True)
@@ -108,28 +72,30 @@ def first_divergence(generated: Sequence[int], reference: Sequence[int]) -> int 
 
 
 def decide(evidence: Evidence, tol: Tolerances) -> Decision:
-    divergence = first_divergence(evidence.generated, evidence.reference)
+    numbers = evidence.comparison
+    divergence = first_divergence(numbers.generated_token_ids or [], numbers.reference_token_ids or [])
+    prefill_error = numbers.prefill_rel_error or 0.0
+    acc_loglik, ref_loglik = numbers.accelerator_loglik or 0.0, numbers.reference_loglik or 0.0
 
     def fail(reason: str) -> Decision:
         return Decision(Verdict.FAIL, reason, divergence)
 
     if not evidence.finite:
         return fail("the accelerator produced non-finite logits")
-    if evidence.prefill_rel_error > tol.prefill_rel_error:
+    if prefill_error > tol.prefill:
         return fail(
-            f"prefill logits differ from the reference by {evidence.prefill_rel_error:.3g} "
-            f"(relative; tolerance {tol.prefill_rel_error:.3g})"
+            f"prefill logits differ from the reference by {prefill_error:.3g} (relative; tolerance {tol.prefill:.3g})"
         )
     judge = evidence.judge if evidence.sharded else None
     if divergence is None:
         reason = "all 32 tokens match the reference"
     else:
-        if evidence.accelerator_loglik < evidence.reference_loglik - tol.loglik_slack:
+        if acc_loglik < ref_loglik - tol.loglik_slack:
             return fail(
-                f"the reference finds the accelerator's text implausible: {evidence.accelerator_loglik:.3f} "
-                f"vs {evidence.reference_loglik:.3f} nats per token (slack {tol.loglik_slack:.3g})"
+                f"the reference finds the accelerator's text implausible: {acc_loglik:.3f} "
+                f"vs {ref_loglik:.3f} nats per token (slack {tol.loglik_slack:.3g})"
             )
-        far = next((step for step in evidence.divergent_steps if not step.is_near_tie(tol)), None)
+        far = next((step for step in evidence.divergent_steps if not is_near_tie(step, tol)), None)
         if far is None:
             reason = f"tokens diverge from step {divergence}, every divergence a near tie"
         else:
@@ -151,14 +117,3 @@ def decide(evidence: Evidence, tol: Tolerances) -> Decision:
             return fail(f"the {judge.kind} judge finds the sharded output not fluent: {judge.rationale}")
         reason += f"; {judge.kind} judge: {judge.rationale}"
     return Decision(Verdict.PASS, reason, divergence)
-
-
-def judge_report_fields(judge: JudgeOutcome | None) -> dict[str, str | None]:
-    """The report's audit fields of a judge (all None without one)."""
-    return {
-        "judge_kind": judge.kind if judge else None,
-        "judge_model": judge.model if judge else None,
-        "judge_prompt_hash": judge.prompt_hash if judge else None,
-        "judge_answer": judge.answer if judge else None,
-        "judge_rationale": judge.rationale if judge else None,
-    }

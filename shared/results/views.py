@@ -17,8 +17,8 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from shared.contracts.enums import JobState, SweepState, Verdict
 from shared.db.models import Job, Result, Sweep, SweepEntry
-from shared.enums import JobState, SweepState, Verdict
 from shared.hub.sizing import GIB
 from shared.results.cells import version_key
 from shared.results.records import ResultRecord
@@ -28,7 +28,7 @@ VIEWS: tuple[View, ...] = ("all", "selected", "trending", "downloads")
 Sort = Literal["rank", "model", "result", "cores", "wall", "compile", "memory", "cache", "cost"]
 SORTS: tuple[Sort, ...] = ("rank", "model", "result", "cores", "wall", "compile", "memory", "cache", "cost")
 Direction = Literal["asc", "desc"]
-# A job in these states has its result row (both are written in one transaction, shared.jobs.rules._close):
+# A job in these states has its result row (both are written in one transaction, shared.jobs.outcomes._close):
 # filtering on the state spares a join with results where only the job's columns are read.
 WITH_RESULT = (JobState.done, JobState.failed)
 

@@ -25,13 +25,14 @@ from services.api.schemas import (
     SubmittedJob,
     error_responses,
 )
-from shared.auth.scopes import Scope
+from shared.contracts.enums import JobState, Scope
 from shared.db.models import Job
-from shared.enums import JobState
 from shared.hub.client import HubUnavailable, ModelNotFound, RevisionNotFound
-from shared.jobs import rules as job_rules
+from shared.jobs import listing
 from shared.jobs.broker import revoke_job
 from shared.jobs.dispatch import BROKER_ERRORS, QueueUnavailable, commit_and_enqueue
+from shared.jobs.outcomes import JobFinished, JobNotFound, cancel
+from shared.jobs.runtimes import NoRuntime, UnknownCompiler
 from shared.jobs.submission import Request, UnsupportedTask, submit_model
 from shared.settings import Settings
 
@@ -77,9 +78,9 @@ def _submit(session: Session, settings: Settings, producer: Celery, request: Req
         submitted = submit_model(session, settings, request)
     except (ModelNotFound, RevisionNotFound) as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-    except (job_rules.UnknownCompiler, UnsupportedTask) as exc:
+    except (UnknownCompiler, UnsupportedTask) as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
-    except (HubUnavailable, job_rules.NoRuntime) as exc:
+    except (HubUnavailable, NoRuntime) as exc:
         raise unavailable(str(exc)) from exc
     try:
         commit_and_enqueue(session, producer, submitted)
@@ -102,7 +103,7 @@ def list_jobs(
 ) -> JobPage:
     """Newest first."""
     limit = min(limit, settings.page_limit_max)
-    items = job_rules.list_jobs(session, state=state, model_id=model_id, before_id=cursor, limit=limit)
+    items = listing.list_jobs(session, state=state, model_id=model_id, before_id=cursor, limit=limit)
     next_cursor = str(items[-1].id) if len(items) == limit else None
     return JobPage(items=[JobOut.model_validate(j) for j in items], next_cursor=next_cursor)
 
@@ -120,10 +121,10 @@ def cancel_job(job_id: RowId, _: SubmitterDep, session: SessionDep, producer: Pr
     """Cancel a queued job, or stop a running one: its worker kills the runner within a heartbeat. Needs a token
     of scope submit."""
     try:
-        job = job_rules.cancel(session, job_id)
-    except job_rules.JobNotFound as exc:
+        job = cancel(session, job_id)
+    except JobNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-    except job_rules.JobFinished as exc:
+    except JobFinished as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     session.commit()
     # Best effort: the SQL state already stops it, since a delivered message finds the job cancelled.

@@ -14,8 +14,8 @@ from fastapi.templating import Jinja2Templates
 
 from services.api.deps import SessionDep, SettingsDep
 from services.api.schemas import CompilerVersion, ModelId, RowId
+from shared.contracts.enums import Task, Verdict
 from shared.db.models import Sweep
-from shared.enums import Task, Verdict
 from shared.jobs.sweeps import progress
 from shared.results import views
 from shared.results.cells import Axis, diff

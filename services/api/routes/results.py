@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Response
 
 from services.api.deps import SessionDep, SettingsDep
 from services.api.schemas import CompilerVersion, Cursor, ModelId, ResultPage, error_responses
-from shared.enums import Task, Verdict
+from shared.contracts.enums import Task, Verdict
 from shared.jobs.sweeps import view_job_ids
 from shared.results.cells import Axis, CellDiff, diff
 from shared.results.records import query_results, to_csv, to_parquet_bytes, with_results

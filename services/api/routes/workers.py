@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from services.api.deps import SessionDep, SettingsDep
 from services.api.schemas import WorkerOut, error_responses
-from shared.jobs.rules import live_workers
+from shared.jobs.runtimes import live_workers
 
 router = APIRouter(prefix="/workers", tags=["workers"])
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.runner.compile_cache import key_device_meshes_by_value
-from shared.contracts import LIBRARY, RuntimeInfo
+from shared.contracts.run import LIBRARY, RuntimeInfo
 from shared.hub.sizing import run_dtype
 from shared.settings import Settings
 

@@ -7,8 +7,8 @@ import os
 from services.runner.backends.base import Backend, inductor_cache_outcome
 from services.runner.compile_cache import inductor_env, local_cache_dir
 from services.runner.measure import peak_rss_bytes
-from shared.contracts import cpu_compiler
 from shared.cores import format_cpus
+from shared.installed import cpu_compiler
 
 
 class CpuBackend(Backend):

@@ -6,11 +6,11 @@ from typing import Any, Protocol
 
 from services.runner.backends.base import Backend
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
+from services.runner.tasks.conclusion import Conclusion
 from services.runner.tasks.feature_extraction import FeatureExtraction
 from services.runner.tasks.text_generation import TextGeneration
-from shared.contracts import AcceleratorData, Artifacts, RunReport
-from shared.enums import Task
-from shared.results.verdict import Evidence
+from shared.contracts.enums import Task
+from shared.contracts.handoffs import AcceleratorData, Artifacts
 
 
 class TaskRunner(Protocol):
@@ -28,10 +28,8 @@ class TaskRunner(Protocol):
         """The reference's findings from a stored run alone, or None when the model must run again."""
         ...
 
-    def conclude(
-        self, report: RunReport, acc: AcceleratorData, found: ReferenceResult, artifacts: Artifacts, dtype: str
-    ) -> tuple[RunReport, Evidence | None]:
-        """The report with the verdict and its evidence fields; the evidence a judge would rule on."""
+    def conclude(self, acc: AcceleratorData, found: ReferenceResult, artifacts: Artifacts, dtype: str) -> Conclusion:
+        """The verdict, its reason and the comparison it rests on; the evidence a judge would rule on."""
         ...
 
 

@@ -16,8 +16,10 @@ from services.runner.backends.base import Backend
 from services.runner.failures import phase
 from services.runner.measure import Stopwatch, accelerator_timings
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
-from shared.contracts import AcceleratorData, Artifacts, RunReport
-from shared.enums import ErrorClass, Parallelism, Task, Verdict
+from services.runner.tasks.conclusion import Conclusion
+from shared.contracts.enums import ErrorClass, Parallelism, Task, Verdict
+from shared.contracts.handoffs import AcceleratorData, Artifacts
+from shared.contracts.report import Comparison, Placement, Resources
 from shared.testconfig import SENTENCES
 
 THRESHOLD = {"float32": 0.999}
@@ -68,10 +70,9 @@ class FeatureExtraction:
         return AcceleratorData(
             embeddings=embeddings.tolist(),
             finite=bool(embeddings.isfinite().all()),
-            parallelism=Parallelism.none,
-            **accelerator_timings(clock),
-            peak_memory_bytes=backend.peak_memory_bytes(),
-            visible_cores=backend.visible_cores(),
+            placement=Placement(parallelism=Parallelism.none, visible_cores=backend.visible_cores()),
+            timings=accelerator_timings(clock),
+            resources=Resources(peak_memory_bytes=backend.peak_memory_bytes()),
         )
 
     def reference(self, spec: ReferenceSpec, backend: Backend) -> ReferenceResult:
@@ -82,11 +83,9 @@ class FeatureExtraction:
 
     def reuse(self, acc: AcceleratorData, stored: dict[str, Any]) -> ReferenceResult | None:
         """Stored reference embeddings are all the verdict needs."""
-        return ReferenceResult(data=stored)
+        return ReferenceResult(data=stored, reused=True)
 
-    def conclude(
-        self, report: RunReport, acc: AcceleratorData, found: ReferenceResult, artifacts: Artifacts, dtype: str
-    ) -> tuple[RunReport, None]:
+    def conclude(self, acc: AcceleratorData, found: ReferenceResult, artifacts: Artifacts, dtype: str) -> Conclusion:
         produced = np.asarray(acc.embeddings, dtype=np.float64)
         expected = np.asarray(found.data["embeddings"], dtype=np.float64)
         norms = np.linalg.norm(produced, axis=1) * np.linalg.norm(expected, axis=1)
@@ -100,10 +99,7 @@ class FeatureExtraction:
             if acc.finite
             else "the accelerator produced non-finite embeddings"
         )
-        update = {
-            "verdict": Verdict.PASS if passed else Verdict.FAIL,
-            "verdict_reason": reason,
-            "similarity": lowest,
-            "evidence": {"cosines": cosines, "threshold": threshold},
-        }
-        return report.model_copy(update=update), None
+        comparison = Comparison(
+            similarity=lowest, reference_reused=found.reused, evidence={"cosines": cosines, "threshold": threshold}
+        )
+        return Conclusion(Verdict.PASS if passed else Verdict.FAIL, reason, comparison)

@@ -23,9 +23,12 @@ from services.runner.backends.base import Backend
 from services.runner.failures import phase
 from services.runner.measure import Stopwatch, accelerator_timings, peak_rss_bytes
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
-from shared.contracts import AcceleratorData, Artifacts, RunReport
-from shared.enums import ErrorClass, Parallelism, Task
-from shared.results.verdict import Evidence, StepEvidence, Tolerances, decide
+from services.runner.tasks.conclusion import Conclusion
+from shared.contracts.enums import ErrorClass, Parallelism, Task
+from shared.contracts.evidence import Evidence, StepEvidence
+from shared.contracts.handoffs import AcceleratorData, Artifacts
+from shared.contracts.report import Comparison, Placement, Resources
+from shared.results.verdict import Tolerances, decide
 from shared.testconfig import NEW_TOKENS, PROMPT
 
 
@@ -116,10 +119,9 @@ class TextGeneration:
             token_ids=tokens,
             text=tokenizer.decode(tokens, skip_special_tokens=True),
             finite=all(bool(torch.isfinite(step).all()) for step in logits),
-            parallelism=kind,
-            **accelerator_timings(clock),
-            peak_memory_bytes=backend.peak_memory_bytes(),
-            visible_cores=backend.visible_cores(),
+            placement=Placement(parallelism=kind, visible_cores=backend.visible_cores()),
+            timings=accelerator_timings(clock),
+            resources=Resources(peak_memory_bytes=backend.peak_memory_bytes()),
         )
 
     def reference(self, spec: ReferenceSpec, backend: Backend) -> ReferenceResult:
@@ -180,41 +182,26 @@ class TextGeneration:
         """
         if acc.token_ids != stored["token_ids"]:
             return None
-        return ReferenceResult(data=stored, accelerator_loglik=stored["reference_loglik"])
+        return ReferenceResult(data=stored, accelerator_loglik=stored["reference_loglik"], reused=True)
 
-    def conclude(
-        self, report: RunReport, acc: AcceleratorData, found: ReferenceResult, artifacts: Artifacts, dtype: str
-    ) -> tuple[RunReport, Evidence]:
-        """Evidence → verdict (without the judge, which a sharded run asks next), and the report's fields."""
+    def conclude(self, acc: AcceleratorData, found: ReferenceResult, artifacts: Artifacts, dtype: str) -> Conclusion:
+        """Evidence → verdict (without the judge, which a sharded run asks next), and the comparison."""
         ref = found.data
         acc_prefill, ref_prefill = np.load(artifacts.prefill), np.load(artifacts.reference_prefill)
         prefill_error = float(np.linalg.norm(acc_prefill - ref_prefill) / np.linalg.norm(ref_prefill))
         acc_tokens, ref_tokens = acc.token_ids or [], ref["token_ids"]
         assert found.accelerator_loglik is not None
-        evidence = Evidence(
-            generated=acc_tokens,
-            reference=ref_tokens,
-            divergent_steps=found.divergent_steps,
+        comparison = Comparison(
+            tokens_match=acc_tokens == ref_tokens,
+            generated_token_ids=acc_tokens,
+            reference_token_ids=ref_tokens,
+            generated_text=acc.text,
+            reference_text=ref["text"],
+            prefill_rel_error=prefill_error,
             accelerator_loglik=found.accelerator_loglik,
             reference_loglik=ref["reference_loglik"],
-            prefill_rel_error=prefill_error,
-            finite=acc.finite,
-            sharded=report.cores > 1,
-        )
-        decision = decide(evidence, Tolerances.for_dtype(dtype))
-        update = {
-            "verdict": decision.verdict,
-            "verdict_reason": decision.reason,
-            "first_divergence": decision.first_divergence,
-            "tokens_match": acc_tokens == ref_tokens,
-            "generated_token_ids": acc_tokens,
-            "reference_token_ids": ref_tokens,
-            "generated_text": acc.text,
-            "reference_text": ref["text"],
-            "prefill_rel_error": prefill_error,
-            "accelerator_loglik": found.accelerator_loglik,
-            "reference_loglik": ref["reference_loglik"],
-            "evidence": {
+            reference_reused=found.reused,
+            evidence={
                 "divergent_steps": [vars(s) for s in found.divergent_steps],
                 # steps where the logits processors changed greedy's pick: raw argmax is not what it chose
                 "processor_reordered_steps": found.processor_reordered_steps,
@@ -222,5 +209,7 @@ class TextGeneration:
                 "reference_generate_s": ref["generate_s"],
                 "reference_peak_rss_bytes": ref["peak_rss_bytes"],
             },
-        }
-        return report.model_copy(update=update), evidence
+        )
+        sharded = acc.placement.parallelism != Parallelism.none
+        evidence = Evidence(comparison, found.divergent_steps, finite=acc.finite, sharded=sharded)
+        return Conclusion.of(decide(evidence, Tolerances.for_dtype(dtype)), comparison, evidence)

@@ -1,4 +1,4 @@
-"""`python -m services.runner.zygote ADDRESS`: a warm process that forks runners (shared/zygote.py).
+"""`python -m services.runner.zygote_server ADDRESS`: a warm process that forks runners (shared/zygote_client.py).
 
 It imports torch, transformers and the runner once, runs nothing, and then forks a child per request on the
 abstract Unix socket ADDRESS: the child takes the requested environment, log, CPU affinity (and a thread count
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.processes import run_as_child
-from shared.zygote import MODULES, ForkReply, ForkRequest, environment_mismatch, socket_name
+from shared.zygote_client import MODULES, ForkReply, ForkRequest, environment_mismatch, socket_name
 
 # What a runner and its children import, short of the modules they run as __main__ (runpy would warn that one
 # already imported may behave unpredictably).

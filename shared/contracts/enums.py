@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 
 class JobState(StrEnum):
@@ -86,3 +87,17 @@ class JudgeKind(StrEnum):
 class CompilerName(StrEnum):
     inductor = "inductor"
     neuronx_cc = "neuronx-cc"
+
+
+class Scope(StrEnum):
+    """What an API token may do."""
+
+    submit = "submit"  # submit models, cancel jobs
+    admin = "admin"  # also: rerun finished jobs (force) and start sweeps
+
+    def covers(self, needed: Scope) -> bool:
+        return self is Scope.admin or needed is self
+
+
+# The backends a runner knows (services/runner/backends/): a job's and a setting's spelling.
+BackendName = Literal["cpu", "cuda", "neuron"]

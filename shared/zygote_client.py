@@ -2,7 +2,7 @@
 
 A fresh ``python -m services.runner`` spends seconds importing torch and transformers before it does any
 work, and a job starts two of them (the runner, then its child) per stage — while its cores stay reserved
-(issue 12, P4). The host launcher keeps one zygote (``python -m services.runner.zygote``) that has imported
+(issue 12, P4). The host launcher keeps one zygote (``python -m services.runner.zygote_server``) that has imported
 them once, in a process that has run nothing yet, and forks a runner from it on request over a Unix socket
 (an abstract name: nothing on disk, no path-length limit). ``start_python`` asks it first and falls back to
 ``subprocess.Popen`` when no zygote answers, or when it refuses: a request whose environment differs from

@@ -1,0 +1,103 @@
+"""What a job's stages hand each other through its artifact directory (``Artifacts``).
+
+The accelerator stage leaves an ``AcceleratorOutput`` (and the prefill logits and per-step scores as .npy
+files), the verdict stage a ``VerdictOutput``; the worker puts a ``StoredReference`` there before the verdict
+stage and stores the new one it finds there after.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from shared.contracts.evidence import Evidence
+from shared.contracts.report import Placement, Resources, RunReport, Timings
+from shared.contracts.run import LIBRARY, RuntimeInfo
+
+
+class AcceleratorData(BaseModel):
+    """What one accelerator rank produced (rank 0's is kept; peak memory is the max over ranks)."""
+
+    token_ids: list[int] | None = None  # text-generation
+    text: str | None = None
+    embeddings: list[list[float]] | None = None  # feature-extraction
+    finite: bool
+    placement: Placement
+    timings: Timings
+    resources: Resources = Field(default_factory=Resources)
+    runtime: RuntimeInfo | None = None
+
+
+class StoredReference(BaseModel):
+    """A CPU reference run as ``reference_runs`` keeps it; its prefill logits travel as a .npy file."""
+
+    key: str  # shared.testconfig.reference_key: what determines its output
+    model_id: str
+    sha: str  # the commit, or a digest of a local directory's files
+    task: str
+    dtype: str
+    library: str = LIBRARY
+    library_version: str
+    torch_version: str
+    data: dict[str, Any]  # task-specific: tokens, text, log-likelihood, timings; or embeddings
+
+
+class AcceleratorOutput(BaseModel):
+    """The accelerator stage's hand-off to the verdict stage (``Artifacts.accelerator``)."""
+
+    report: RunReport  # provenance, timings and memory; the verdict stage adds its conclusions
+    data: AcceleratorData
+    model_dir: Path  # the checkpoint on this host's disk (HF cache), which the reference loads too
+    dtype: str  # the run dtype of the accelerator run, and so of the reference
+    content_id: str  # the commit, or a digest of a local directory's files
+    reference_key: str  # the stored reference this run can reuse
+
+    def new_reference(self, data: dict[str, Any]) -> StoredReference:
+        """A reference computed for this run, as it is stored for every other compiler version and rerun."""
+        runtime = self.report.runtime
+        assert runtime is not None and runtime.torch_version
+        return StoredReference(
+            key=self.reference_key,
+            model_id=self.report.subject.model_id,
+            sha=self.content_id,
+            task=self.report.subject.task,
+            dtype=self.dtype,
+            library=runtime.library,
+            library_version=runtime.library_version,
+            torch_version=runtime.torch_version,
+            data=data,
+        )
+
+
+class VerdictOutput(BaseModel):
+    """The verdict stage's result (``Artifacts.verdict``): the report, and what the worker still does with it."""
+
+    report: RunReport
+    dtype: str  # whose tolerances the rule applies
+    evidence: Evidence | None = None  # text-generation: what the judge and the rule rule on
+    judge_needed: bool = False  # a sharded text-generation run: the judge stage decides with the evidence
+    new_reference: StoredReference | None = None  # computed here, for the worker to store
+
+
+class Artifacts:
+    """The files of one job's artifact directory, named once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.accelerator = root / "accelerator.json"
+        self.prefill = root / "prefill-logits.npy"
+        self.step_scores = root / "step-scores.npy"
+        self.stored_reference = root / "stored-reference.json"
+        self.reference_prefill = root / "reference-prefill-logits.npy"
+        self.verdict = root / "verdict.json"
+        self.judge = root / "judge.json"
+
+
+def write_model(path: Path, model: BaseModel) -> None:
+    """Write atomically: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # writers of the same file never share a name
+    tmp.write_text(model.model_dump_json())
+    tmp.replace(path)

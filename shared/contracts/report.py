@@ -1,0 +1,174 @@
+"""A finished test, composed of parts: what was tested, what ran it, where, how long, how close, who judged, why
+it failed — the way optimum-benchmark's report is composed of its measurements.
+
+Each field is declared once, here. A result row (``shared.db.models.Result``) has a column per field of the
+parts in ``ROW_PARTS`` and the report's own ``verdict_reason``; the flat record of the API and Parquet
+(``shared.results.records.ResultRecord``) is the job's identity followed by those columns. Adding a field to a
+part is one edit here and a migration.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, NamedTuple
+
+from pydantic import BaseModel, Field
+from pydantic.fields import FieldInfo
+
+from shared.contracts.enums import ErrorClass, Task, Verdict
+from shared.contracts.fields import Int32, SqlOnly, Str8, Str16, Str32, Str64, Str200, shape_of
+from shared.contracts.run import RuntimeInfo, RuntimeVersions
+
+
+class Subject(BaseModel):
+    """What was asked: the model at a commit, the task, the backend. The job's own columns: a row does not repeat
+    them."""
+
+    model_id: str
+    revision: str | None = None  # as requested
+    sha: str | None = None  # as resolved
+    task: Task
+    backend: str
+
+
+class Failure(BaseModel):
+    """Why a test ended ERROR (or SKIPPED), and the normalised cause of an ERROR or FAIL."""
+
+    error_class: ErrorClass | None = None
+    error_message: str | None = None
+    failure_signature: str | None = None  # ERROR and FAIL: the normalised cause (shared.results.signatures)
+    signature_id: Str16 | None = None  # a digest of the signature: what GET /failures groups by
+
+
+class Timings(BaseModel):
+    """The accelerator run's seconds: load, then the first call (compile and generate), then a second call."""
+
+    wall_s: float | None = None  # load + compile + generate, as the public table counts it
+    load_s: float | None = None
+    compile_s: float | None = None  # the first call minus the second
+    generate_s: float | None = None
+
+
+class Resources(BaseModel):
+    """What the accelerator run took: memory, and the compiler's work."""
+
+    peak_memory_bytes: int | None = None  # measured: the max over ranks
+    predicted_peak_bytes_per_core: int | None = None  # what sizing expected
+    graphs_compiled: Int32 | None = None  # graphs the compiler built: one for a model that compiles once
+    compile_cache: Str8 | None = None  # hit, miss, or none (a compiler without a persistent cache)
+
+
+class Comparison(BaseModel):
+    """The accelerator's output against the CPU reference's: what the verdict was decided on."""
+
+    first_divergence: Int32 | None = None
+    tokens_match: bool | None = None
+    prefill_rel_error: float | None = None
+    accelerator_loglik: float | None = None  # mean log-prob per token of its text under the reference
+    reference_loglik: float | None = None
+    similarity: float | None = None  # feature-extraction: the lowest cosine similarity to the reference
+    reference_reused: bool | None = None  # the CPU reference came from the stored runs
+    generated_text: str | None = None
+    reference_text: str | None = None
+    generated_token_ids: list[int] | None = None
+    reference_token_ids: list[int] | None = None
+    evidence: Annotated[dict[str, Any] | None, SqlOnly] = None  # per-step detail: scores, cosines
+
+
+class JudgeAudit(BaseModel):
+    """What the judge of a sharded run was, was asked and answered."""
+
+    judge_kind: Str32 | None = None
+    judge_model: Str200 | None = None
+    judge_prompt_hash: Str64 | None = None
+    judge_answer: str | None = None
+    judge_rationale: str | None = None
+
+
+class Placement(BaseModel):
+    """How the accelerator run was laid out, as its rank 0 saw it."""
+
+    parallelism: Str16 | None = None  # a shared.contracts.enums.Parallelism
+    visible_cores: Str200 | None = None  # what the accelerator process could use (CPU affinity, devices)
+
+
+class Provenance(BaseModel):
+    """Where it ran and how to run it again."""
+
+    host: Str200 | None = None
+    cores: Int32 = 1
+    core_range: Str32 | None = None  # the core group the worker owns
+    reproduce: str | None = None  # the command that runs the same test
+
+
+class RunReport(BaseModel):
+    """What the runner reports: one finished test, good or bad. ``verdict`` is None only after the accelerator
+    stage of a job whose verdict stage is still to come; ``runtime`` None until the accelerator run said."""
+
+    subject: Subject
+    verdict: Verdict | None = None
+    verdict_reason: str | None = None
+    runtime: RuntimeInfo | None = None
+    failure: Failure = Field(default_factory=Failure)
+    timings: Timings = Field(default_factory=Timings)
+    resources: Resources = Field(default_factory=Resources)
+    comparison: Comparison = Field(default_factory=Comparison)
+    judge: JudgeAudit = Field(default_factory=JudgeAudit)
+    placement: Placement = Field(default_factory=Placement)
+    provenance: Provenance = Field(default_factory=Provenance)
+
+    @classmethod
+    def of(cls, **fields: Any) -> RunReport:
+        """A report from flat field names, as a row spells them: each goes to the part that declares it (the
+        subject's too; ``runtime`` whole). How tests and fixtures write a report in one line."""
+        top = {name: fields.pop(name) for name in ("verdict", "verdict_reason", "runtime") if name in fields}
+        parts: dict[str, dict[str, Any]] = {}
+        for name, value in fields.items():
+            owner = next((p for p, model in _FLAT_PARTS.items() if name in model.model_fields), None)
+            if owner is None:
+                raise TypeError(f"no part of a report declares {name!r}")
+            parts.setdefault(owner, {})[name] = value
+        return cls(**top, **{part: _FLAT_PARTS[part](**values) for part, values in parts.items()})
+
+
+# The parts a result row keeps, in column order, each as the model whose fields are its columns: every part but
+# the subject (the job's), and of the runtime only its versions (the rest is the job's identity).
+ROW_PARTS: dict[str, type[BaseModel]] = {
+    "failure": Failure,
+    "timings": Timings,
+    "resources": Resources,
+    "comparison": Comparison,
+    "judge": JudgeAudit,
+    "placement": Placement,
+    "provenance": Provenance,
+    "runtime": RuntimeVersions,
+}
+OPTIONAL_PARTS = {"runtime"}  # a report may have none: their columns are nullable whatever the fields say
+# The parts ``RunReport.of`` fills from flat names (the runtime is given whole).
+_FLAT_PARTS: dict[str, type[BaseModel]] = {"subject": Subject} | {
+    part: model for part, model in ROW_PARTS.items() if part not in OPTIONAL_PARTS
+}
+
+
+class RowField(NamedTuple):
+    name: str
+    info: FieldInfo
+    optional: bool  # None is allowed: by the field, or because its part may be absent
+
+
+def row_fields() -> list[RowField]:
+    """Every column a result row has of a report, in order: the verdict's reason, then each part's fields."""
+    fields = [RowField("verdict_reason", RunReport.model_fields["verdict_reason"], True)]
+    for part_name, part in ROW_PARTS.items():
+        for name, info in part.model_fields.items():
+            assert name not in {f.name for f in fields}, f"{name} is declared by two parts"
+            fields.append(RowField(name, info, part_name in OPTIONAL_PARTS or shape_of(info).optional))
+    return fields
+
+
+def row_values(report: RunReport) -> dict[str, Any]:
+    """The report as a result row's column values (``row_fields``), and its verdict."""
+    values: dict[str, Any] = {"verdict": report.verdict, "verdict_reason": report.verdict_reason}
+    for name, part in ROW_PARTS.items():
+        present = getattr(report, name)
+        values |= {field: getattr(present, field) if present else None for field in part.model_fields}
+    return values
