@@ -111,17 +111,21 @@ class CheckRun:
     report: RunReport
 
 
-def report_of(check: Check, backend: str, out: str, error: str) -> RunReport:
-    """The runner's report (its last JSON line), or an ERROR report saying why there is none."""
+def report_of(out: str) -> RunReport | None:
+    """The runner's report: its last JSON line."""
     for line in reversed(out.strip().splitlines()):
         if line.startswith("{"):
             try:
                 return RunReport.model_validate_json(line)
             except ValueError:
-                break
+                return None
+    return None
+
+
+def no_report(check: Check, backend: str, error_class: ErrorClass, message: str) -> RunReport:
     subject = Subject(model_id=check.hub_id, task="text-generation", backend=backend)
-    return RunReport(subject=subject, verdict=Verdict.ERROR, failure=Failure(error_class=ErrorClass.crash,
-                     error_message=error))  # fmt: skip
+    return RunReport(subject=subject, verdict=Verdict.ERROR, failure=Failure(error_class=error_class,
+                     error_message=message))  # fmt: skip
 
 
 def run_one(check: Check, group: CoreGroup, backend: str, models: Path | None, timeout: float) -> CheckRun:
@@ -131,12 +135,13 @@ def run_one(check: Check, group: CoreGroup, backend: str, models: Path | None, t
             command(check, backend, models), cwd=ROOT, env=os.environ | pin_environment(backend, group),
             capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
-        report = report_of(check, backend, done.stdout, f"exit {done.returncode}, no report")
-        if report.verdict is None or done.returncode not in (0, 1, 3):
+        report = report_of(done.stdout)
+        if report is None or report.verdict is None or done.returncode not in (0, 1, 3):
             sys.stderr.write(done.stderr[-3000:])
+        if report is None:
+            report = no_report(check, backend, ErrorClass.crash, f"exit {done.returncode}, no report")
     except subprocess.TimeoutExpired:
-        report = report_of(check, backend, "", f"no report after {timeout:.0f} s")
-        report.failure.error_class = ErrorClass.timeout
+        report = no_report(check, backend, ErrorClass.timeout, f"no report after {timeout:.0f} s")
     return CheckRun(check, group, time.monotonic() - started, report)
 
 

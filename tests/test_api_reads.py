@@ -13,7 +13,6 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import Verdict
-from shared.contracts.report import RunReport
 from shared.contracts.run import RuntimeInfo
 from shared.db.engine import session_scope
 from shared.hub.client import ResolvedModel
@@ -21,6 +20,7 @@ from shared.jobs.lease import acquire_lease
 from shared.jobs.outcomes import finish
 from shared.jobs.submission import submit
 from shared.settings import Settings, get_settings
+from tests.history import report_of
 
 RUNTIME = RuntimeInfo(
     backend="cpu", compiler_name="c", compiler_version="reads-1.0", library_version="5.0", torch_version="2"
@@ -41,7 +41,7 @@ def org() -> str:
                 session,
                 sub.job.id,
                 "reader",
-                RunReport.of(model_id=model.model_id, task="text-generation", backend="cpu", verdict=verdict),
+                report_of(model_id=model.model_id, task="text-generation", backend="cpu", verdict=verdict),
             )
     return org
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import Verdict
-from shared.results.export import export_results
-from shared.results.records import COLUMNS
+from shared.results.export import export_jobs, export_results
+from shared.results.records import COLUMNS, RESULT_SCHEMA, SCHEMA_VERSION
 from tests.history import record, runtime
 
 PUBLIC = ["model_id", "neuronx_cc", "library", "library_version", "neuron_cores", "result"]
@@ -57,3 +58,23 @@ def test_files_are_rewritten_only_when_their_rows_change(session: Session, tmp_p
     [fresh] = export_results(session, export).written
     assert pd.read_parquet(fresh).result.tolist() == ["FAIL"]
     assert sorted(p.name for p in (export / "data").iterdir()) == sorted(p.name for p in first.written)
+
+
+def test_files_of_an_older_schema_are_all_rebuilt_by_the_next_export(session: Session, tmp_path: Path) -> None:
+    """A new schema version (a column added) rewrites every file at the next export, not only the one a job
+    touched: a reader of the directory never meets two schemas."""
+    a, b = runtime("2.21.0+x", "5.24.0"), runtime("2.22.0+y", "5.24.0")
+    record(session, "org/one", a, Verdict.PASS)
+    record(session, "org/two", b, Verdict.PASS)
+    export = tmp_path / "export"
+    export_results(session, export)
+    files = sorted((export / "data").iterdir())
+    for path in files:  # as a collector of the previous schema left them
+        pq.write_table(pq.read_table(path).drop_columns(["verdict_reason"]), path)
+    covered = (export / ".exported").read_text().split()[0]
+    (export / ".exported").write_text(f"{covered} {SCHEMA_VERSION - 1}")
+    job = record(session, "org/one", a, Verdict.FAIL, sha="d" * 40)
+    summary = export_jobs(session, export, [job])
+    assert sorted(summary.written) == files
+    assert all(pq.read_schema(path).equals(RESULT_SCHEMA) for path in files)
+    assert (export / ".exported").read_text().endswith(f" {SCHEMA_VERSION}")

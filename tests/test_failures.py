@@ -24,7 +24,7 @@ from shared.jobs.outcomes import finish, job_report
 from shared.jobs.submission import submit
 from shared.settings import Settings
 from tests.conftest import fresh_database
-from tests.history import runtime
+from tests.history import report_of, runtime
 
 # --- what the compiler refuses -------------------------------------------------------------------------
 
@@ -76,7 +76,7 @@ def test_a_recompile_limit_hit_is_a_compile_error_with_the_guard_and_the_graphs_
         "value that changes at every call, such as every decode step: n == 7 at "  # the guard, and its line
     )
     assert first_line.endswith(f"test_failures.py:{step.__code__.co_firstlineno + 1} in step")
-    report = failed(RunReport.of(model_id="org/m", task="text-generation", backend="cpu"), failure)
+    report = failed(report_of(model_id="org/m", task="text-generation", backend="cpu"), failure)
     signature = report.failure.failure_signature
     assert signature is not None and signature.startswith(
         "ERROR(compile): FailOnRecompileLimitHit: recompile limit hit: dynamo compiled <n> graphs"
@@ -163,13 +163,13 @@ def runner_error(rank: str, graphs: int) -> Any:
     def report(job: Job) -> RunReport:
         failure = RunFailure(ErrorClass.compile, f"{rank}: " + RECOMPILE.format(n=graphs, k=graphs + 9), TRACE,
                              origin=rank, graphs_compiled=graphs)  # fmt: skip
-        return failed(RunReport.of(model_id=job.model_id, task=job.task, backend="neuron", cores=1), failure)
+        return failed(report_of(model_id=job.model_id, task=job.task, backend="neuron", cores=1), failure)
 
     return report
 
 
 def fail(gap: float) -> Any:
-    return lambda job: RunReport.of(model_id=job.model_id, task=job.task, backend="neuron", verdict=Verdict.FAIL,
+    return lambda job: report_of(model_id=job.model_id, task=job.task, backend="neuron", verdict=Verdict.FAIL,
                                  verdict_reason=f"prefill logits differ from the reference by {gap:.3g} "
                                  "(relative; tolerance 0.05)")  # fmt: skip
 
@@ -181,7 +181,7 @@ def timeout(limit_s: int) -> Any:
 
 
 def passed(job: Job) -> RunReport:
-    return RunReport.of(model_id=job.model_id, task=job.task, backend="neuron", verdict=Verdict.PASS)
+    return report_of(model_id=job.model_id, task=job.task, backend="neuron", verdict=Verdict.PASS)
 
 
 RECOMPILE_SIGNATURE = (

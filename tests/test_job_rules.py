@@ -20,6 +20,7 @@ from shared.jobs.outcomes import JobFinished, JobNotFound, cancel, finish, settl
 from shared.jobs.runtimes import NoRuntime, UnknownCompiler, plan_runtimes, served_runtimes
 from shared.jobs.submission import submit
 from shared.settings import Settings
+from tests.history import report_of
 
 RUNTIME = RuntimeInfo(
     backend="cpu",
@@ -37,9 +38,7 @@ def settings(tmp_path: Path) -> Settings:
 
 
 def report(verdict: Verdict = Verdict.PASS, error_class: ErrorClass | None = None) -> RunReport:
-    return RunReport.of(
-        model_id="org/m", task="text-generation", backend="cpu", verdict=verdict, error_class=error_class
-    )
+    return report_of(model_id="org/m", task="text-generation", backend="cpu", verdict=verdict, error_class=error_class)
 
 
 def new_job(session: Session, force: bool = False) -> Job:

@@ -65,9 +65,12 @@ GIBBERISH = "bersbersbers devgggg istorymbers antsure"
 
 def test_openai_judge_asks_the_endpoint_about_both_texts(endpoint: ChatEndpoint) -> None:
     outcome = OpenAIJudge(endpoint.url, "judge-model", "sekret").judge(GIBBERISH, ENGLISH, -3.0, -2.0)
-    assert outcome.kind == "openai" and outcome.model == "judge-model" and outcome.prompt_hash == PROMPT_HASH
+    audit = outcome.audit
+    assert (
+        audit.judge_kind == "openai" and audit.judge_model == "judge-model" and audit.judge_prompt_hash == PROMPT_HASH
+    )
     assert outcome.fluent is False and outcome.reference_fluent is True
-    assert outcome.answer.startswith("No. It is not English. / Yes.")
+    assert outcome.audit.judge_answer.startswith("No. It is not English. / Yes.")
     assert [r["path"] for r in endpoint.requests] == ["/v1/chat/completions"] * 2
     assert endpoint.requests[0]["auth"] == "Bearer sekret" and endpoint.requests[0]["temperature"] == 0
 
@@ -75,9 +78,9 @@ def test_openai_judge_asks_the_endpoint_about_both_texts(endpoint: ChatEndpoint)
 def test_local_judge_runs_a_transformers_model_on_the_cpu(tiny_models: Path) -> None:
     judge = LocalLMJudge(str(tiny_models / "tiny-llama"))
     outcome = judge.judge(GIBBERISH, ENGLISH, -3.0, -2.0)
-    assert outcome.kind == "local" and outcome.model.endswith("tiny-llama")
+    assert outcome.kind == "local" and outcome.audit.judge_model.endswith("tiny-llama")
     assert isinstance(outcome.fluent, bool) and isinstance(outcome.reference_fluent, bool)
-    assert "P(Yes)=" in outcome.answer  # a random tiny model's opinion, but a real forward pass
+    assert "P(Yes)=" in outcome.audit.judge_answer  # a random tiny model's opinion, but a real forward pass
 
 
 def test_likelihood_judge_needs_no_model() -> None:

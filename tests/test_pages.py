@@ -25,7 +25,6 @@ import uvicorn
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import ErrorClass, Stage, SweepState, Task, Verdict
-from shared.contracts.report import RunReport
 from shared.contracts.run import RuntimeInfo
 from shared.db.models import Sweep, SweepEntry
 from shared.hub.client import ResolvedModel
@@ -35,6 +34,7 @@ from shared.jobs.submission import submit
 from shared.processes import free_port
 from shared.settings import get_settings
 from tests.conftest import fresh_database
+from tests.history import report_of
 
 OLD, NEW = "pages-1.0", "pages-2.0"
 LIB, NEWER_LIB = "5.0", "5.1"
@@ -60,7 +60,7 @@ def finished(session: Session, model: str, rt: RuntimeInfo, verdict: Verdict, **
         session,
         sub.job.id,
         "pages",
-        RunReport.of(model_id=model, task=task, backend="neuron", verdict=verdict, **{**fields, **report}),
+        report_of(model_id=model, task=task, backend="neuron", verdict=verdict, **{**fields, **report}),
     )
     return sub.job.id
 

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from services.api.main import app
 from shared.contracts.enums import ErrorClass, Stage, Verdict
 from shared.contracts.fields import FieldShape, shape_of
-from shared.contracts.report import RunReport, row_fields
+from shared.contracts.report import ROW_PARTS, RunReport, row_fields
 from shared.contracts.run import RuntimeInfo
 from shared.db.models import Result
 from shared.hub.client import ResolvedModel
@@ -34,9 +34,11 @@ from shared.results.records import (
 )
 from shared.settings import Settings
 from tests.conftest import ROOT
+from tests.history import report_of
 
 ROW = [f.name for f in row_fields()]
 SQL_ONLY = {f.name for f in row_fields() if shape_of(f.info).sql_only}
+REPEATED = {"compiler_version"}  # the row repeats the job's, which the record publishes as neuronx_cc
 
 
 # Fields only a result has (no job, worker or setting shares the name): each is written once, in its part.
@@ -60,10 +62,15 @@ def test_a_result_field_is_declared_in_exactly_one_place() -> None:
 
 
 def test_the_sql_columns_the_record_and_parquet_are_the_parts_fields() -> None:
+    # every part of a report is a row's but the subject (the job's own columns): a new part cannot be left out
+    parts = {name for name in RunReport.model_fields if name not in ("verdict", "verdict_reason")}
+    assert parts == set(ROW_PARTS) | {"subject"}
     columns = [c.key for c in Result.__table__.columns]
     assert sorted(columns) == sorted(["id", "job_id", "verdict", "created_at", *ROW])
     published = [
-        n for n in ROW if n not in SQL_ONLY | set(RENAMED_RESULT_COLUMNS.values()) | set(RecordHead.model_fields)
+        n
+        for n in ROW
+        if n not in SQL_ONLY | set(RENAMED_RESULT_COLUMNS.values()) | set(RecordHead.model_fields) | REPEATED
     ]
     assert list(ResultRecord.model_fields) == [*RecordHead.model_fields, *published, "job_id", "finished_at"]
     assert {"evidence"} == SQL_ONLY  # per-step detail (scores, cosines): nested, no flat column holds it
@@ -99,7 +106,7 @@ def test_every_field_goes_through_sql_the_record_and_parquet_unchanged(session: 
     [sub] = submit(session, model, None, [runtime], cores=2)
     session.flush()
     acquire_lease(session, sub.job.id, "w", Settings(), Stage.accelerator)
-    report = RunReport.of(model_id=model.model_id, task="text-generation", backend="cpu", verdict=Verdict.FAIL,
+    report = report_of(model_id=model.model_id, task="text-generation", backend="cpu", verdict=Verdict.FAIL,
                           runtime=runtime, **values)  # fmt: skip
     assert finish(session, sub.job.id, "w", report)
     session.commit()
@@ -112,7 +119,7 @@ def test_every_field_goes_through_sql_the_record_and_parquet_unchanged(session: 
         record.result == Verdict.FAIL and record.neuron_cores == 2 and record.neuronx_cc == versions["compiler_version"]
     )
     for name, value in {**values, **versions}.items():
-        if name not in SQL_ONLY | set(RENAMED_RESULT_COLUMNS.values()):
+        if name not in SQL_ONLY | set(RENAMED_RESULT_COLUMNS.values()) | REPEATED:
             assert getattr(record, name) == value, name
     table = pq.read_table(io.BytesIO(to_parquet_bytes([record])))
     assert table.to_pylist() == [

@@ -6,7 +6,7 @@ from typing import Any
 
 from shared.contracts.enums import Verdict
 from shared.contracts.evidence import Evidence, JudgeOutcome, StepEvidence
-from shared.contracts.report import Comparison
+from shared.contracts.report import Comparison, JudgeAudit
 from shared.results.verdict import Tolerances, decide, first_divergence
 
 BF16 = Tolerances.for_dtype("bfloat16")
@@ -36,7 +36,9 @@ def evidence(
 
 
 def judge(fluent: bool | None, reference_fluent: bool | None) -> JudgeOutcome:
-    return JudgeOutcome("openai", "m", "h", fluent, reference_fluent, "No / Yes", "garbled")
+    audit = JudgeAudit(judge_kind="openai", judge_model="m", judge_prompt_hash="h", judge_answer="No / Yes",
+                       judge_rationale="garbled")  # fmt: skip
+    return JudgeOutcome(audit, fluent, reference_fluent)
 
 
 def test_matching_tokens_pass() -> None:
@@ -114,7 +116,10 @@ def test_the_judge_decides_a_sharded_run_whose_numbers_are_inconclusive() -> Non
     assert decide(evidence(**inconclusive, judge=judge(True, None)), BF16).verdict == Verdict.PASS
     assert decide(evidence(**inconclusive, judge=judge(False, None)), BF16).verdict == Verdict.FAIL
     # the likelihood judge weighs only what the rule already weighed; single-core runs have no judge
-    likelihood = JudgeOutcome("likelihood", None, "h", True, True, "Yes / Yes", "close")
+    audit = JudgeAudit(
+        judge_kind="likelihood", judge_prompt_hash="h", judge_answer="Yes / Yes", judge_rationale="close"
+    )
+    likelihood = JudgeOutcome(audit, True, True)
     assert decide(evidence(**inconclusive, judge=likelihood), BF16).verdict == Verdict.FAIL
     single = inconclusive | {"sharded": False}
     assert decide(evidence(**single, judge=judge(True, True)), BF16).verdict == Verdict.FAIL

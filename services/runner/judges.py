@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from shared.contracts.enums import JudgeKind
 from shared.contracts.evidence import JudgeOutcome
+from shared.contracts.report import JudgeAudit
 from shared.settings import Settings
 
 QUESTION = (
@@ -34,15 +35,14 @@ class LikelihoodJudge:
 
     def judge(self, text: str, reference_text: str, loglik: float, reference_loglik: float) -> JudgeOutcome:
         fluent = loglik >= reference_loglik - self.slack
-        return JudgeOutcome(
-            kind=JudgeKind.likelihood.value,
-            model=None,
-            prompt_hash=PROMPT_HASH,
-            fluent=fluent,
-            reference_fluent=True,  # the reference's text is the yardstick
-            answer=f"{'Yes' if fluent else 'No'} / Yes",
-            rationale=f"{loglik:.3f} vs the reference's {reference_loglik:.3f} nats per token (slack {self.slack})",
+        audit = JudgeAudit(
+            judge_kind=JudgeKind.likelihood.value,
+            judge_prompt_hash=PROMPT_HASH,
+            judge_answer=f"{'Yes' if fluent else 'No'} / Yes",
+            judge_rationale=f"{loglik:.3f} vs the reference's {reference_loglik:.3f} nats per token "
+            f"(slack {self.slack})",
         )
+        return JudgeOutcome(audit, fluent=fluent, reference_fluent=True)  # the reference's text is the yardstick
 
 
 class QuestionJudge:
@@ -57,15 +57,14 @@ class QuestionJudge:
     def judge(self, text: str, reference_text: str, loglik: float, reference_loglik: float) -> JudgeOutcome:
         fluent, answer = self._ask(text)
         reference_fluent, reference_answer = self._ask(reference_text)
-        return JudgeOutcome(
-            kind=self.kind.value,
-            model=self.model_id,
-            prompt_hash=PROMPT_HASH,
-            fluent=fluent,
-            reference_fluent=reference_fluent,
-            answer=f"{answer} / {reference_answer}"[:4000],
-            rationale=f"accelerator: {answer}; reference: {reference_answer}"[:1000],
+        audit = JudgeAudit(
+            judge_kind=self.kind.value,
+            judge_model=self.model_id,
+            judge_prompt_hash=PROMPT_HASH,
+            judge_answer=f"{answer} / {reference_answer}"[:4000],
+            judge_rationale=f"accelerator: {answer}; reference: {reference_answer}"[:1000],
         )
+        return JudgeOutcome(audit, fluent=fluent, reference_fluent=reference_fluent)
 
 
 class LocalLMJudge(QuestionJudge):

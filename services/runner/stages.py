@@ -85,9 +85,11 @@ def _timeout(request: RunRequest, backend: Backend) -> float:
 def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -> RunReport:
     """Download, size, load, compile, generate; leave an AcceleratorOutput. The report's verdict stays None
     unless the run ended here (ERROR, or SKIPPED as too large)."""
-    subject = Subject.model_validate(request.model_copy(update={"backend": backend.name}), from_attributes=True)
-    provenance = Provenance(host=backend.settings.host_name, core_range=request.core_range)
-    report = RunReport(subject=subject, provenance=provenance)
+    # The report is filled in as the stage gets further, so that a failure reports all that was known by then.
+    report = RunReport(
+        subject=Subject(model_id=request.model_id, revision=request.revision, task=request.task, backend=backend.name),
+        provenance=Provenance(host=backend.settings.host_name, core_range=request.core_range),
+    )
     try:
         checkpoint = download(
             request.model_id,
@@ -96,18 +98,17 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
             backend.settings.hub_retry_delays_s,
             with_code=request.trust_remote_code,
         )
-        subject.sha = checkpoint.sha
+        report.subject.sha = checkpoint.sha
         shape = _checkpoint_shape(checkpoint)
-        provenance.cores = choose_cores(request, shape, backend)
-        predicted = per_core_bytes(shape, provenance.cores, backend.dtype)
-        report.resources.predicted_peak_bytes_per_core = predicted
+        cores = report.provenance.cores = choose_cores(request, shape, backend)
+        report.resources.predicted_peak_bytes_per_core = per_core_bytes(shape, cores, backend.dtype)
         reproduced = request.model_copy(
-            update={"revision": checkpoint.sha or request.revision, "cores": provenance.cores, "backend": backend.name}
+            update={"revision": checkpoint.sha or request.revision, "cores": cores, "backend": backend.name}
         )
-        provenance.reproduce = reproduced.reproduce_command(backend.reproduce_env())
+        report.provenance.reproduce = reproduced.reproduce_command(backend.reproduce_env())
         spec = AcceleratorSpec(
             backend=backend.name,
-            world_size=provenance.cores,
+            world_size=cores,
             task=request.task,
             model_dir=checkpoint.path,
             artifacts=artifacts.root,
@@ -118,13 +119,16 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
     except RunFailure as failure:
         too_large = failure.error_class == ErrorClass.too_large
         return failed(report, failure, Verdict.SKIPPED if too_large else Verdict.ERROR)
-    data = ranks[0]
+    data = ranks[0]  # rank 0's outputs; peak memory is the most any rank used
     data.resources.peak_memory_bytes = max(r.resources.peak_memory_bytes or 0 for r in ranks)
+    data.resources.predicted_peak_bytes_per_core = report.resources.predicted_peak_bytes_per_core
     runtime = data.runtime
     assert runtime is not None and runtime.torch_version
-    resources = data.resources.model_copy(update={"predicted_peak_bytes_per_core": predicted})
-    report = report.model_copy(
-        update={"runtime": runtime, "timings": data.timings, "resources": resources, "placement": data.placement}
+    report.runtime, report.timings, report.resources, report.placement = (
+        runtime,
+        data.timings,
+        data.resources,
+        data.placement,
     )
     key = reference_key(
         request.model_id,
@@ -201,7 +205,7 @@ def verdict_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -
             dtype=acc.dtype,
             evidence=conclusion.evidence,
             new_reference=new_reference,
-            judge_needed=conclusion.evidence is not None and acc.report.provenance.cores > 1,
+            judge_needed=conclusion.evidence is not None and conclusion.evidence.sharded,
         )
     write_model(artifacts.verdict, output)
     return output
@@ -231,7 +235,7 @@ def judge_stage(settings: Settings, artifacts: Artifacts) -> RunReport:
         return failed(report, failure, prefix="judge: ")
     decision = decide(replace(output.evidence, judge=judge), Tolerances.for_dtype(output.dtype))
     judged = Conclusion.of(decision, comparison, output.evidence).into(report)
-    return judged.model_copy(update={"judge": judge.audit()})
+    return judged.model_copy(update={"judge": judge.audit})
 
 
 def failed(report: RunReport, failure: RunFailure, verdict: Verdict = Verdict.ERROR, prefix: str = "") -> RunReport:

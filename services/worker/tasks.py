@@ -139,11 +139,11 @@ def accelerator_secrets(job: Job, settings: Settings, hub_read_token: str | None
 
 
 def _stage_request(job: Job, stage: Stage, artifacts: Artifacts, core_range: str | None = None) -> RunRequest:
-    """What a stage's runner is asked: the job's identity (read under the request's field names), at the commit
-    it was sized at, and where this stage's files go."""
-    asked = RunRequest.model_validate(job, from_attributes=True)
+    """What a stage's runner is asked: the test the job names (its columns of the request's reproducible fields),
+    at the commit it was sized at, and where this stage's files go."""
+    test = {name: getattr(job, name) for name in RunRequest.REPRODUCIBLE - {"revision", "local_dir"}}
     where = {"artifacts": artifacts.root, "report": artifacts.root / f"{stage.value}-report.json"}
-    return asked.model_copy(update={"revision": job.sha, "core_range": core_range, "stage": stage, **where})
+    return RunRequest(**test, revision=job.sha, core_range=core_range, stage=stage, **where)
 
 
 # max_retries=None: a delivery that meets a live lease (or a silent database) is retried until the job leaves

@@ -71,6 +71,14 @@ class Task(StrEnum):
     feature_extraction = "feature-extraction"
 
 
+class CacheOutcome(StrEnum):
+    """What an accelerator run's compiles found in the compile cache."""
+
+    hit = "hit"  # every graph it looked up was there
+    miss = "miss"  # at least one was compiled anew
+    none = "none"  # a compiler without a persistent cache
+
+
 class Parallelism(StrEnum):
     none = "none"  # one core
     tp = "tp"  # tensor parallel (dense models)

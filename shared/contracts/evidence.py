@@ -21,23 +21,24 @@ class StepEvidence:
 
 @dataclass(frozen=True)
 class JudgeOutcome:
-    kind: str
-    model: str | None
-    prompt_hash: str
+    """A judge's answer: what the row keeps of it (``audit``), and what the rule reads."""
+
+    audit: JudgeAudit  # which judge, asked what, answered what
     fluent: bool | None  # the accelerator's text; None: the judge could not tell
     reference_fluent: bool | None
-    answer: str  # raw answers, accelerator's then reference's
-    rationale: str
+
+    @property
+    def kind(self) -> str:
+        return self.audit.judge_kind or ""
+
+    @property
+    def rationale(self) -> str:
+        return self.audit.judge_rationale or ""
 
     @property
     def reads_text(self) -> bool:
         """A judge that reads the text (a language model), not the likelihoods the rule already weighed."""
         return self.kind != JudgeKind.likelihood
-
-    def audit(self) -> JudgeAudit:
-        """What a result row keeps of this judge."""
-        return JudgeAudit(judge_kind=self.kind, judge_model=self.model, judge_prompt_hash=self.prompt_hash,
-                          judge_answer=self.answer, judge_rationale=self.rationale)  # fmt: skip
 
 
 @dataclass(frozen=True)

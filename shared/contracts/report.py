@@ -14,8 +14,8 @@ from typing import Annotated, Any, NamedTuple
 from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
-from shared.contracts.enums import ErrorClass, Task, Verdict
-from shared.contracts.fields import Int32, SqlOnly, Str8, Str16, Str32, Str64, Str200, shape_of
+from shared.contracts.enums import CacheOutcome, ErrorClass, Parallelism, Task, Verdict
+from shared.contracts.fields import Int32, SqlOnly, Str16, Str32, Str64, Str200, shape_of
 from shared.contracts.run import RuntimeInfo, RuntimeVersions
 
 
@@ -54,7 +54,7 @@ class Resources(BaseModel):
     peak_memory_bytes: int | None = None  # measured: the max over ranks
     predicted_peak_bytes_per_core: int | None = None  # what sizing expected
     graphs_compiled: Int32 | None = None  # graphs the compiler built: one for a model that compiles once
-    compile_cache: Str8 | None = None  # hit, miss, or none (a compiler without a persistent cache)
+    compile_cache: Annotated[CacheOutcome | None, Field(max_length=8)] = None
 
 
 class Comparison(BaseModel):
@@ -87,7 +87,7 @@ class JudgeAudit(BaseModel):
 class Placement(BaseModel):
     """How the accelerator run was laid out, as its rank 0 saw it."""
 
-    parallelism: Str16 | None = None  # a shared.contracts.enums.Parallelism
+    parallelism: Annotated[Parallelism | None, Field(max_length=16)] = None
     visible_cores: Str200 | None = None  # what the accelerator process could use (CPU affinity, devices)
 
 
@@ -116,19 +116,6 @@ class RunReport(BaseModel):
     placement: Placement = Field(default_factory=Placement)
     provenance: Provenance = Field(default_factory=Provenance)
 
-    @classmethod
-    def of(cls, **fields: Any) -> RunReport:
-        """A report from flat field names, as a row spells them: each goes to the part that declares it (the
-        subject's too; ``runtime`` whole). How tests and fixtures write a report in one line."""
-        top = {name: fields.pop(name) for name in ("verdict", "verdict_reason", "runtime") if name in fields}
-        parts: dict[str, dict[str, Any]] = {}
-        for name, value in fields.items():
-            owner = next((p for p, model in _FLAT_PARTS.items() if name in model.model_fields), None)
-            if owner is None:
-                raise TypeError(f"no part of a report declares {name!r}")
-            parts.setdefault(owner, {})[name] = value
-        return cls(**top, **{part: _FLAT_PARTS[part](**values) for part, values in parts.items()})
-
 
 # The parts a result row keeps, in column order, each as the model whose fields are its columns: every part but
 # the subject (the job's), and of the runtime only its versions (the rest is the job's identity).
@@ -143,10 +130,6 @@ ROW_PARTS: dict[str, type[BaseModel]] = {
     "runtime": RuntimeVersions,
 }
 OPTIONAL_PARTS = {"runtime"}  # a report may have none: their columns are nullable whatever the fields say
-# The parts ``RunReport.of`` fills from flat names (the runtime is given whole).
-_FLAT_PARTS: dict[str, type[BaseModel]] = {"subject": Subject} | {
-    part: model for part, model in ROW_PARTS.items() if part not in OPTIONAL_PARTS
-}
 
 
 class RowField(NamedTuple):

@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.contracts.enums import BackendName, Stage, Task
-from shared.contracts.fields import Str64, Str100
+from shared.contracts.fields import Str16, Str32, Str64, Str100
 
 LIBRARY = "transformers"
 RUNNER_MODULE = "services.runner"
@@ -35,9 +35,13 @@ class RuntimeInfo(RuntimeVersions):
     """What runs a job: the backend, its compiler, the library, and their versions. A job's identity, and what a
     worker serves."""
 
-    backend: str
-    compiler_name: str
-    library: str = LIBRARY
+    backend: Str16
+    compiler_name: Str32
+    library: Str64 = LIBRARY
+
+
+# The runtime fields a stored CPU reference depends on (the rest say what compiled the accelerator run).
+LIBRARY_FIELDS = ("library", "library_version", "torch_version")
 
 
 class RunRequest(BaseModel):

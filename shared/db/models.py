@@ -7,12 +7,13 @@ from enum import StrEnum
 from typing import Any
 
 import sqlalchemy as sa
+from pydantic.fields import FieldInfo
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from shared.contracts.enums import ACTIVE_STATES, ErrorClass, JobState, Scope, SweepState, Verdict
 from shared.contracts.fields import FieldShape, shape_of
 from shared.contracts.report import row_fields
-from shared.contracts.run import LIBRARY, RuntimeInfo
+from shared.contracts.run import LIBRARY, LIBRARY_FIELDS, RuntimeInfo
 
 
 def utcnow() -> dt.datetime:
@@ -53,20 +54,47 @@ class Base(DeclarativeBase):
     type_annotation_map: dict[Any, Any] = {dt.datetime: UTCDateTime()}
 
 
-class LibraryIdentity:
-    """The library and torch a row ran with (a stored reference depends on these, not on the compiler)."""
+def sql_type(shape: FieldShape) -> sa.types.TypeEngine[Any]:
+    """The column type of a record field (``shared.contracts.fields``): its width where it declares one."""
+    if isinstance(shape.kind, type) and issubclass(shape.kind, StrEnum):
+        return enum_column(shape.kind, shape.max_length)
+    if shape.kind in (list, dict):
+        return sa.JSON()
+    if shape.kind is str:
+        return sa.String(shape.max_length) if shape.max_length else sa.Text()
+    if shape.kind is int:
+        return sa.Integer() if shape.int32 else sa.BigInteger()
+    return {bool: sa.Boolean(), float: sa.Double()}[shape.kind]
 
-    library: Mapped[str] = mapped_column(sa.String(64), default=LIBRARY, server_default=LIBRARY)
-    library_version: Mapped[str] = mapped_column(sa.String(64))
-    torch_version: Mapped[str] = mapped_column(sa.String(64), server_default="")
+
+def columns_mixin(name: str, fields: dict[str, tuple[FieldInfo, bool]], **server_defaults: str) -> type:
+    """A mixin with a column per record field, typed from its annotation (``sql_type``): the field is declared
+    once, in ``shared.contracts``. ``fields`` maps each column to its field and whether it may be NULL. Its
+    columns are untyped to a static checker: read them as the record's fields."""
+    columns = {
+        column: mapped_column(
+            sql_type(shape_of(info)),
+            nullable=nullable,
+            default=None if info.is_required() else info.default,
+            server_default=server_defaults.get(column),
+        )
+        for column, (info, nullable) in fields.items()
+    }
+    return type(name, (), columns)
 
 
-class RuntimeIdentity(LibraryIdentity):
-    """The six fields that say what runs a job: one home for jobs and workers, equal to ``RuntimeInfo``."""
+# The library and torch a row ran with (a stored reference depends on these, not on the compiler): NOT NULL, as a
+# job's and a worker's identity (a job settled before any runner said has an empty torch version).
+_RUNTIME = {name: (info, False) for name, info in RuntimeInfo.model_fields.items()}
+LibraryIdentity = columns_mixin(
+    "LibraryIdentity", {n: _RUNTIME[n] for n in LIBRARY_FIELDS}, library=LIBRARY, torch_version=""
+)
 
-    backend: Mapped[str] = mapped_column(sa.String(16))
-    compiler_name: Mapped[str] = mapped_column(sa.String(32))
-    compiler_version: Mapped[str] = mapped_column(sa.String(100))
+
+class RuntimeIdentity(  # type: ignore[misc]
+    columns_mixin("RuntimeColumns", {n: f for n, f in _RUNTIME.items() if n not in LIBRARY_FIELDS}), LibraryIdentity
+):
+    """The fields that say what runs a job, equal to ``RuntimeInfo``'s: one home for jobs and workers."""
 
     def runtime(self) -> RuntimeInfo:
         return RuntimeInfo.model_validate(self, from_attributes=True)
@@ -145,28 +173,11 @@ class Job(RuntimeIdentity, Base):
     )
 
 
-def sql_type(shape: FieldShape) -> sa.types.TypeEngine[Any]:
-    """The column type of a record field (``shared.contracts.fields``): its width where it declares one."""
-    if isinstance(shape.kind, type) and issubclass(shape.kind, StrEnum):
-        return enum_column(shape.kind)
-    if shape.kind in (list, dict):
-        return sa.JSON()
-    if shape.kind is str:
-        return sa.String(shape.max_length) if shape.max_length else sa.Text()
-    if shape.kind is int:
-        return sa.Integer() if shape.int32 else sa.BigInteger()
-    return {bool: sa.Boolean(), float: sa.Double()}[shape.kind]
-
-
-def _report_columns() -> type:
-    """A mixin with a column for each field a result row keeps of a report (``shared.contracts.report``): the
-    report's parts declare them, once; this types them."""
-    columns = {f.name: mapped_column(sql_type(shape_of(f.info)), nullable=f.optional) for f in row_fields()}
-    return type("ReportColumns", (), columns)
-
-
-class Result(_report_columns(), Base):  # type: ignore[misc]
-    """A finished test: its verdict, and a column per field of its report's parts (``RunReport``)."""
+class Result(  # type: ignore[misc]
+    columns_mixin("ReportColumns", {f.name: (f.info, f.optional) for f in row_fields()}), Base
+):
+    """A finished test: its verdict, and a column per field of its report's parts (``RunReport``, declared there
+    once; ``columns_mixin`` types them)."""
 
     __tablename__ = "results"
 

@@ -32,7 +32,7 @@ from shared.db.models import Job, Result, UTCDateTime
 from shared.results.cells import cell_status
 from shared.results.records import COLUMNS, RECORD_SOURCES, RESULT_SCHEMA, SCHEMA_VERSION, table_from_rows
 
-EXPORTED_MARKER = ".exported"  # the highest result id the files cover
+EXPORTED_MARKER = ".exported"  # the highest result id the files cover, and the schema version they were written in
 # A file with more changed cells than this is rebuilt from SQL instead of patched cell by cell.
 PATCH_AT_MOST = 1000
 # Ids per IN (...) list: well below SQLite's bound on parameters.
@@ -169,13 +169,18 @@ def _last_result_id(session: Session) -> int:
 
 
 def _covered(export_dir: Path) -> int | None:
+    """The highest result id the files cover; None when there are no files yet, or when they were written in
+    another schema version: then every file is rebuilt, so that no reader of the directory meets two schemas."""
     marker = export_dir / EXPORTED_MARKER
-    return int(marker.read_text()) if marker.exists() else None
+    if not marker.exists():
+        return None
+    result_id, _, schema = marker.read_text().partition(" ")
+    return int(result_id) if schema == str(SCHEMA_VERSION) else None
 
 
 def _mark_covered(export_dir: Path, result_id: int) -> None:
     tmp = export_dir / f"{EXPORTED_MARKER}.{os.getpid()}.tmp"
-    tmp.write_text(str(result_id))
+    tmp.write_text(f"{result_id} {SCHEMA_VERSION}")
     os.replace(tmp, export_dir / EXPORTED_MARKER)
 
 
@@ -204,7 +209,7 @@ def export_results(session: Session, export_dir: Path) -> ExportSummary:
 
 def export_jobs(session: Session, export_dir: Path, job_ids: Collection[int]) -> ExportSummary:
     """Bring the files up to date after ``job_ids`` finished: the cells of those jobs and of every result
-    past ``.exported`` (the full export when there is none yet)."""
+    past ``.exported`` (the full export when there is none yet, or the files are of an older schema)."""
     covered = _covered(export_dir)
     if covered is None:
         return export_results(session, export_dir)

@@ -69,7 +69,8 @@ RENAMED_RESULT_COLUMNS = {"neuron_cores": "cores", "result": "verdict"}
 
 def _published_result_fields() -> dict[str, tuple[Any, FieldInfo]]:
     """The result columns the record publishes under their own names, as optional record fields."""
-    taken = set(RecordHead.model_fields) | set(RENAMED_RESULT_COLUMNS.values())
+    # the head names the job's compiler version (neuronx_cc): the row's, as a runner reported it, is the same
+    taken = set(RecordHead.model_fields) | set(RENAMED_RESULT_COLUMNS.values()) | {"compiler_version"}
     fields: dict[str, tuple[Any, FieldInfo]] = {}
     for column in row_fields():
         if column.name in taken or shape_of(column.info).sql_only:
