@@ -22,13 +22,14 @@ import itertools
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.worker import planner
 from services.worker.host import STARTING_S, share
 from shared.cores import CoreGroup
 from shared.hub.sizing import CORE_SIZES
 from shared.jobs.queues import job_queue
+from shared.settings import Settings
 
 BACKEND, COMPILER = "neuron", "2.21.0"
 
@@ -41,6 +42,7 @@ class SimJob:
     verdict_s: float  # on the host's CPUs, after the cores are given back
     submitted_s: float = 0.0
     parameters: int = 0
+    timed_out: bool = False  # the duration model made it longer than the stage's limit
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,18 @@ class Timings:
     verdict_workers: int = 4
 
 
+# The accelerator stage's hard limit, as the runner and the launcher know it (Settings.stage_limit_s).
+STAGE_LIMIT_S = Settings().stage_limit_s(compiles=True)
+
+
+def within_limit(jobs: Sequence[SimJob], stage_limit_s: float = STAGE_LIMIT_S) -> list[SimJob]:
+    """The jobs as the fleet runs them: one the duration model makes longer than the stage's limit ends
+    ERROR(timeout) at the limit, holding its cores until then."""
+    return [
+        replace(j, accelerator_s=stage_limit_s, timed_out=True) if j.accelerator_s > stage_limit_s else j for j in jobs
+    ]
+
+
 @dataclass
 class SimResult:
     makespan_s: float
@@ -60,6 +74,7 @@ class SimResult:
     jobs_unrunnable: int
     core_utilisation: float  # the jobs' own accelerator-stage core-seconds / (cores x makespan)
     largest_size_wait_s: float  # longest time a job of the largest size waited between queued and started
+    jobs_timed_out: int = 0  # ended at the stage's hard limit
     starts: dict[str, float] = field(default_factory=dict)
     ends: dict[str, float] = field(default_factory=dict)
 
@@ -103,8 +118,10 @@ class FleetSimulation:
         seconds_per_job: dict[int, float] | None = None,
         layout: list[int] | None = None,
         learn_durations: bool = False,
+        stage_limit_s: float | None = None,
     ) -> None:
-        self.jobs = list(jobs)
+        self.stage_limit_s = stage_limit_s if stage_limit_s is not None else STAGE_LIMIT_S
+        self.jobs = within_limit(jobs, self.stage_limit_s)
         self.cores_per_host = cores_per_host
         self.timings = timings
         self.seconds_per_job = seconds_per_job or {}
@@ -154,6 +171,7 @@ class FleetSimulation:
             jobs_unrunnable=len(self.jobs) - len(runnable),
             core_utilisation=sum(j.cores * j.accelerator_s for j in runnable) / (total_cores * makespan),
             largest_size_wait_s=max(waits, default=0.0),
+            jobs_timed_out=sum(j.timed_out for j in runnable),
             starts=self.starts,
             ends=self.ends,
         )
@@ -199,6 +217,7 @@ class FleetSimulation:
             ),
             draining=frozenset(host.draining),
             waited=waited,
+            stage_limit_s=self.stage_limit_s,
         )
         plan = planner.plan_host(state)
         for group in plan.drain:
@@ -251,15 +270,17 @@ def simulate(
     seconds_per_job: dict[int, float] | None = None,
     layout: list[int] | None = None,
     learn_durations: bool = False,
+    stage_limit_s: float | None = None,
 ) -> SimResult:
     return FleetSimulation(
-        jobs, hosts, cores_per_host, timings or Timings(), seconds_per_job, layout, learn_durations
+        jobs, hosts, cores_per_host, timings or Timings(), seconds_per_job, layout, learn_durations, stage_limit_s
     ).run()
 
 
 def one_at_a_time(jobs: Sequence[SimJob], hosts: int, cores_per_host: int) -> SimResult:
     """The public Space's way: each host tests one model at a time (accelerator run, then the CPU compare);
     the next model goes to the host that frees first."""
+    jobs = within_limit(jobs)
     free_at = [0.0] * hosts
     ends = {}
     for job in jobs:
@@ -275,6 +296,7 @@ def one_at_a_time(jobs: Sequence[SimJob], hosts: int, cores_per_host: int) -> Si
         jobs_unrunnable=0,
         core_utilisation=sum(j.cores * j.accelerator_s for j in jobs) / (total_cores * makespan),
         largest_size_wait_s=0.0,
+        jobs_timed_out=sum(j.timed_out for j in jobs),
         ends=ends,
     )
 

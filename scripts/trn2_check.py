@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from shared.contracts.enums import ErrorClass, Verdict  # noqa: E402
 from shared.contracts.report import Failure, RunReport, Subject  # noqa: E402
 from shared.cores import CoreGroup, pin_environment  # noqa: E402
-from shared.installed import installed_version  # noqa: E402
+from shared.installed import NEURON_RUNTIME_PACKAGE, debian_package_version, installed_version  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -68,14 +68,6 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _dpkg(name: str) -> str | None:
-    try:
-        out = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", name], capture_output=True, text=True)
-    except OSError:
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
-
-
 def versions(backend: str) -> dict[str, str | None]:
     """What this machine runs, found without importing torch (the runs report their compiler too)."""
     found: dict[str, str | None] = {
@@ -86,8 +78,8 @@ def versions(backend: str) -> dict[str, str | None]:
         found |= {
             # the driver is the host's kernel module; its sysfs entry is visible inside a container too
             "neuron driver": _read("/sys/module/neuron/version"),
-            "neuron runtime": _dpkg("aws-neuronx-runtime-lib"),
-            "neuron collectives": _dpkg("aws-neuronx-collectives"),
+            "neuron runtime": debian_package_version(NEURON_RUNTIME_PACKAGE),
+            "neuron collectives": debian_package_version("aws-neuronx-collectives"),
             "neuronx-cc": installed_version("neuronx-cc"),
             "torch-neuronx": installed_version("torch-neuronx"),
         }

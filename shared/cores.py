@@ -66,3 +66,12 @@ def format_cpus(cpus: set[int]) -> str:
         parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
         i = j + 1
     return ",".join(parts)
+
+
+def parse_cpus(text: str) -> set[int]:
+    """ "0-2,5" → {0, 1, 2, 5} (``format_cpus`` read back; a core group's "4-7" too)."""
+    cores: set[int] = set()
+    for part in filter(None, text.replace(" ", "").split(",")):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores

@@ -30,7 +30,11 @@ class Settings(BaseSettings):
     # Compiler version a job gets when no live worker says what it serves (e.g. "inductor-2.13.0+cpu").
     default_compiler: str | None = None
 
-    job_timeout_s: float = Field(3600.0, gt=0, description="Hard limit on one runner process.")
+    # A stage's budgets. job_timeout_s bounds everything a runner does but compile (download, load, generate, the
+    # CPU reference); the compile has its own, sized for a cold neuronx-cc compile of a 16-core model (users
+    # report 45 minutes and more for one large graph, aws-neuron-sdk#646). A timeout names the phase that ran out.
+    job_timeout_s: float = Field(3600.0, gt=0, description="A runner's limit outside compilation.")
+    compile_timeout_s: float = Field(10800.0, gt=0, description="The compile phase's own budget.")
     heartbeat_interval_s: float = Field(5.0, gt=0)
     lease_timeout_s: float = Field(120.0, gt=0, description="A running job whose heartbeat is older is stale.")
     max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it ends ERROR(worker_lost).")
@@ -46,7 +50,7 @@ class Settings(BaseSettings):
     # A sweep that meets an unreachable Hub is tried again after each of these pauses, then ends failed.
     sweep_retry_delays_s: list[float] = [2.0, 4.0, 8.0, 16.0]
     # Redis re-delivers an unacknowledged message after this; a backstop only, since the reconciler re-sends
-    # lost jobs after the lease timeout. None: job_timeout_s + 10 * lease_timeout_s.
+    # lost jobs after the lease timeout. None: the accelerator stage's hard limit + 10 * lease_timeout_s.
     visibility_timeout_s: float | None = Field(None, gt=0)
 
     # Cores and their memory: a host has host_cores (on cpu a count that may exceed the real CPUs);
@@ -141,6 +145,11 @@ class Settings(BaseSettings):
         self.cache_dir = (self.cache_dir or self.data_dir / "cache").expanduser().resolve()
         return self
 
+    def stage_limit_s(self, compiles: bool) -> float:
+        """The hard limit of a stage's runner: its budget outside compilation, and the compile's when it
+        compiles (the accelerator stage). The worker's supervisor, the planner and the fleet simulator use it."""
+        return self.job_timeout_s + (self.compile_timeout_s if compiles else 0.0)
+
     @property
     def export_path(self) -> Path:
         assert self.export_dir is not None
@@ -161,7 +170,8 @@ def get_settings() -> Settings:
 # publish token or the judge's token: a child loads checkpoints that nobody here wrote.
 RUNNER_SETTINGS = frozenset(
     {
-        "data_dir", "backend", "host_name", "cache_dir", "cpu_compile_backend", "job_timeout_s", "core_memory_gib",
+        "data_dir", "backend", "host_name", "cache_dir", "cpu_compile_backend", "job_timeout_s", "compile_timeout_s",
+        "core_memory_gib",
         "moe_parallelism", "judge_kind", "judge_model", "judge_url", "judge_loglik_slack", "cpu_fault", "cpu_dtype",
         "cpu_threads", "compile_cache_remote", "compile_cache_push", "hub_retry_delays_s",
     }

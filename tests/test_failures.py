@@ -176,7 +176,7 @@ def fail(gap: float) -> Any:
 
 def timeout(limit_s: int) -> Any:
     """The worker's own report: it killed the runner, which wrote nothing."""
-    message = f"runner exceeded the {limit_s} s limit and was killed"
+    message = f"runner exceeded its stage's {limit_s} s limit in the compile phase and was killed"
     return lambda job: job_report(job, Verdict.ERROR, ErrorClass.timeout, message)
 
 
@@ -191,7 +191,7 @@ RECOMPILE_SIGNATURE = (
     " @ torch._dynamo.convert_frame:_compile"
 )
 FAIL_SIGNATURE = "FAIL: prefill logits differ from the reference by <n> (relative; tolerance <n>)"
-TIMEOUT_SIGNATURE = "ERROR(timeout): runner exceeded the <n> s limit and was killed"
+TIMEOUT_SIGNATURE = "ERROR(timeout): runner exceeded its stage's <n> s limit in the compile phase and was killed"
 
 
 @pytest.fixture

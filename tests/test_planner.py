@@ -93,6 +93,17 @@ def test_a_size_that_waited_longer_than_the_longest_job_gets_a_group_first() -> 
     assert sizes(plan_layout(8, {4: 2, 1: 6}, durations, waited={1: 101.0})) == {4: 1, 1: 4}
 
 
+def test_no_job_is_expected_to_outlast_the_stage_limit() -> None:
+    """The planner's patience is the longest job, but never more than the accelerator stage's hard limit (the same
+    budgets the runner enforces): a size whose recent jobs ran long still gets a group once its oldest job waited
+    that long."""
+    durations = {4: 5000.0, 1: 10.0}
+    state = HostState(8, {4: 2, 1: 6}, durations, waited={1: 120.0})
+    assert sizes(plan_host(state).layout) == {4: 2}
+    limited = HostState(8, {4: 2, 1: 6}, durations, waited={1: 120.0}, stage_limit_s=100.0)
+    assert sizes(plan_host(limited).layout) == {4: 1, 1: 4}
+
+
 def test_one_core_groups_pack_into_the_fewest_aligned_blocks() -> None:
     """Kept groups stay; a new 1-core group takes the hole beside another 1-core group (core 5, beside 4), not
     core 6, which would break the free aligned pair 6-7."""

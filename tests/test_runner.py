@@ -7,13 +7,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from services.runner.failures import RunFailure, classify
-from services.runner.launch import run_child
+from services.runner.launch import Budget, run_child
 from services.runner.specs import DescribeSpec
 from shared.contracts.enums import ErrorClass
 from shared.contracts.report import RunReport
@@ -171,3 +172,22 @@ def test_evidence_comes_from_what_greedy_picked_from(tiny_models: Path, tmp_path
     # what sizing predicted per core is kept beside what was measured; the model compiled once (prefill, decode)
     assert report.resources.predicted_peak_bytes_per_core > 0 and report.resources.peak_memory_bytes > 0
     assert report.resources.graphs_compiled == 2
+
+
+def test_the_compile_has_a_budget_of_its_own_and_a_timeout_names_its_phase(tiny_models: Path) -> None:
+    """Compile seconds are charged to SUPPORTMATRIX_COMPILE_TIMEOUT_S, everything else to the job timeout: a
+    compile past its budget is ERROR(timeout) naming the compile phase, however much of the rest is left."""
+    budget = Budget(outside_s=10.0, compile_s=5.0, started=time.monotonic() - 12.0)
+    budget.charge(4.0, compiling=True)  # 12 s since the start, 4 of them compiling: 8 s outside
+    assert budget.overrun(False, "generate", [], "accelerator") is None
+    budget.charge(2.0, compiling=True)
+    compiled = budget.overrun(True, "compile", ["accelerator"], "accelerator")
+    assert compiled is not None and "the compile phase ran past its 5 s budget" in compiled.message
+    budget.charge(3.0, compiling=False)  # a poll outside the compile charges nothing to it
+    assert budget.compiled_s == 6.0
+    code, report = run_local(tiny_models / "tiny-llama", SUPPORTMATRIX_COMPILE_TIMEOUT_S="0.3",
+                             SUPPORTMATRIX_JOB_TIMEOUT_S="600")  # fmt: skip
+    assert code == 3 and report.failure.error_class == "timeout", report.failure
+    assert (
+        "the compile phase ran past its 0.3 s budget (SUPPORTMATRIX_COMPILE_TIMEOUT_S)" in report.failure.error_message
+    )

@@ -8,6 +8,7 @@ import pytest
 from bench import fleet
 from bench.makespan import sweep_jobs
 from services.worker import planner
+from shared.settings import Settings
 
 BURST = [fleet.SimJob(f"c{cores}-{i}", cores, accelerator_s=10.0 * cores, verdict_s=2.0)
          for cores, n in ((1, 6), (2, 3), (4, 2)) for i in range(n)]  # fmt: skip
@@ -30,6 +31,16 @@ def test_changing_the_planner_changes_the_simulated_makespan(monkeypatch: pytest
     monkeypatch.setattr(planner, "group_counts", largest_only)
     naive = fleet.simulate(BURST, hosts=1, cores_per_host=8, seconds_per_job=fleet.median_seconds_per_size(BURST))
     assert naive.makespan_s != ours.makespan_s and sorted(naive.ends) == sorted(ours.ends)
+
+
+def test_a_job_longer_than_the_stage_limit_ends_at_it_as_a_timeout() -> None:
+    """The simulator runs the budgets the runner enforces (Settings.stage_limit_s): a job its duration model makes
+    longer holds its cores until the limit, then ends."""
+    long = [*BURST, fleet.SimJob("huge", 4, accelerator_s=10_000.0, verdict_s=2.0)]
+    result = fleet.simulate(long, hosts=1, cores_per_host=8, stage_limit_s=500.0)
+    assert result.jobs_timed_out == 1 and result.ends["huge"] - result.starts["huge"] == pytest.approx(502.0)
+    default = fleet.simulate(long, hosts=1, cores_per_host=8)
+    assert default.jobs_timed_out == 0 and Settings().stage_limit_s(compiles=True) == fleet.STAGE_LIMIT_S
 
 
 def test_fixed_layouts_leave_out_jobs_larger_than_their_groups() -> None:

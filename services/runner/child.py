@@ -37,17 +37,18 @@ class SharedCompileCache:
             self.remote = remote_for(settings.compile_cache_remote, ns, settings.compile_cache_token)
             self.remote.pull(self.local)
         self.push_allowed = settings.compile_cache_push
-        self.before = self._count()
-
-    def _count(self) -> int:
-        return sum(1 for p in self.local.rglob("*") if p.is_file()) if self.local.exists() else 0
-
-    def new_entries(self) -> int:
-        return self._count() - self.before
 
     def push(self) -> None:
         if self.remote is not None and self.push_allowed:
             self.remote.push(self.local)
+
+
+def join_process_group(backend: Backend) -> None:
+    """This rank's process group, with the backend's collective (RANK, WORLD_SIZE, MASTER_* from the launcher),
+    before transformers loads the model: it uses a group it finds, where it would pick one by device type."""
+    import torch
+
+    torch.distributed.init_process_group(backend=backend.collective)
 
 
 def run_role(spec: AnySpec) -> BaseModel:
@@ -58,9 +59,11 @@ def run_role(spec: AnySpec) -> BaseModel:
     if isinstance(spec, AcceleratorSpec):
         backend.prepare_process()
         runtime = backend.describe()  # the versions that really run
-        cache = SharedCompileCache(backend, runtime.compiler_name, runtime.compiler_version, spec.rank)
+        cache = SharedCompileCache(backend, runtime.compiler_name, runtime.compiler_build, spec.rank)
+        if spec.world_size > 1:
+            join_process_group(backend)
         data = task.accelerator(spec, backend)
-        data.resources.compile_cache = backend.cache_outcome(cache.new_entries())
+        backend.cache_lookups().into(data.resources)
         data.resources.graphs_compiled = graphs_compiled()
         cache.push()
         data.runtime = runtime

@@ -8,7 +8,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+from shared.contracts.enums import CompilePath
+from shared.contracts.handoffs import Phase
 from shared.contracts.report import Timings
 
 
@@ -36,12 +39,33 @@ def graphs_compiled() -> int | None:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_record(model: Any, backend: Any) -> dict[str, Any]:
+    """Which compile the run went through and how many graphs the backend's received (``Resources``): a model
+    that transformers' generate compiled too holds that compile as ``_compiled_call``."""
+    wrapped = hasattr(model, "_compiled_call")
+    return {
+        "compile_path": CompilePath.forward_and_generate if wrapped else CompilePath.forward,
+        "backend_graphs": backend.counted.received if backend.counted else None,
+    }
+
+
+# A phase is named after the clock's step, but for the first call, which compiles (and generates once).
+PHASE_OF_STEP = {"first": "compile"}
+
+
 class Stopwatch:
-    def __init__(self) -> None:
+    """Times named steps; with ``announce``, also writes each step's phase there as it starts."""
+
+    def __init__(self, announce: Path | None = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.announce = announce
 
     @contextmanager
     def time(self, name: str) -> Iterator[None]:
+        if self.announce is not None:
+            tmp = self.announce.with_name(f".{self.announce.name}.tmp")
+            tmp.write_text(Phase(phase=PHASE_OF_STEP.get(name, name), since=time.time()).model_dump_json())
+            tmp.replace(self.announce)
         start = time.perf_counter()
         try:
             yield

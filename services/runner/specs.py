@@ -23,6 +23,15 @@ class ChildSpec(BaseModel):
     rank: int = 0
     world_size: int = 1
 
+    @property
+    def phase_file(self) -> Path:
+        return phase_file(self.out)
+
+
+def phase_file(out: Path) -> Path:
+    """Where the child whose outcome goes to ``out`` announces the phase it is in (``measure.Phase``)."""
+    return out.with_suffix(".phase")
+
 
 class DescribeSpec(ChildSpec):
     role: Literal["describe"] = "describe"

@@ -17,7 +17,7 @@ from services.runner.backends import Backend, get_backend
 from services.runner.download import Checkpoint, download
 from services.runner.failures import RunFailure, phase
 from services.runner.judges import make_judge
-from services.runner.launch import run_child, run_ranks
+from services.runner.launch import Budget, run_child, run_ranks
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks import get_task
 from services.runner.tasks.conclusion import Conclusion
@@ -30,8 +30,9 @@ from shared.contracts.handoffs import (
     VerdictOutput,
     write_model,
 )
-from shared.contracts.report import Failure, Provenance, RunReport, Subject
+from shared.contracts.report import Failure, Placement, Provenance, RunReport, Subject
 from shared.contracts.run import RunRequest
+from shared.cores import format_cpus, parse_cpus
 from shared.hub.sizing import ModelShape, checkpoint_shape, default_core_memory_bytes, per_core_bytes, size_model
 from shared.results.signatures import error_signature
 from shared.results.verdict import Tolerances, decide
@@ -75,8 +76,11 @@ def _temporary(parent: Path) -> AbstractContextManager[Path]:
     return Temporary(prefix="run-", dir=parent)
 
 
-def _timeout(request: RunRequest, backend: Backend) -> float:
-    return request.timeout_s or backend.settings.job_timeout_s
+def _budget(request: RunRequest, backend: Backend) -> Budget:
+    """This runner's budgets, from now: ``--timeout-s`` (else the job timeout) outside compilation, and the
+    compile's own."""
+    settings = backend.settings
+    return Budget(outside_s=request.timeout_s or settings.job_timeout_s, compile_s=settings.compile_timeout_s)
 
 
 # --- the accelerator stage ----------------------------------------------------------------------------
@@ -85,6 +89,7 @@ def _timeout(request: RunRequest, backend: Backend) -> float:
 def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -> RunReport:
     """Download, size, load, compile, generate; leave an AcceleratorOutput. The report's verdict stays None
     unless the run ended here (ERROR, or SKIPPED as too large)."""
+    budget = _budget(request, backend)  # from the stage's start: the download counts outside compilation
     # The report is filled in as the stage gets further, so that a failure reports all that was known by then.
     report = RunReport(
         subject=Subject(model_id=request.model_id, revision=request.revision, task=request.task, backend=backend.name),
@@ -115,7 +120,9 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
             trust_remote_code=request.trust_remote_code,
         )
         env = inherited_environment(backend.accelerator_env())
-        ranks = run_ranks(spec, AcceleratorData, env, _timeout(request, backend), artifacts.root)
+        pins = backend.rank_pins(request.core_range, cores)
+        ranks = run_ranks(spec, AcceleratorData, env, budget, artifacts.root, pins)
+        report.placement = ranks_placement([r.placement for r in ranks], backend.exclusive_cores)
     except RunFailure as failure:
         too_large = failure.error_class == ErrorClass.too_large
         return failed(report, failure, Verdict.SKIPPED if too_large else Verdict.ERROR)
@@ -124,12 +131,7 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
     data.resources.predicted_peak_bytes_per_core = report.resources.predicted_peak_bytes_per_core
     runtime = data.runtime
     assert runtime is not None and runtime.torch_version
-    report.runtime, report.timings, report.resources, report.placement = (
-        runtime,
-        data.timings,
-        data.resources,
-        data.placement,
-    )
+    report.runtime, report.timings, report.resources = runtime, data.timings, data.resources
     key = reference_key(
         request.model_id,
         checkpoint.content_id,
@@ -148,6 +150,28 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
     )
     write_model(artifacts.accelerator, output)
     return report
+
+
+def ranks_placement(ranks: list[Placement], exclusive: bool) -> Placement:
+    """The run's placement from each rank's: the cores they saw together, each rank's core and device in rank
+    order, rank 0's process group. Two ranks on one core of a backend whose cores are exclusive is a broken
+    placement: the run did not shard over the cores its row would claim."""
+    seen = [rank.visible_cores or "" for rank in ranks]
+    if exclusive:
+        for later, cores in enumerate(seen):
+            if cores in seen[:later]:
+                raise RunFailure(
+                    ErrorClass.placement,
+                    f"ranks {seen.index(cores)} and {later} both hold core {cores} (each rank's core@device: "
+                    f"{', '.join(r.rank_cores or '?' for r in ranks)})",
+                )
+    try:
+        together = format_cpus(set().union(*(parse_cpus(cores) for cores in seen)))
+    except ValueError:  # a backend that reports devices, not core numbers
+        together = seen[0]
+    return ranks[0].model_copy(
+        update={"visible_cores": together, "rank_cores": ",".join(r.rank_cores or "?" for r in ranks)}
+    )
 
 
 def _checkpoint_shape(checkpoint: Checkpoint) -> ModelShape:
@@ -194,7 +218,7 @@ def verdict_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -
                 trust_remote_code=request.trust_remote_code,
             )
             env = inherited_environment(backend.reference_env())
-            found = run_child(spec, ReferenceResult, env, _timeout(request, backend), artifacts.root)
+            found = run_child(spec, ReferenceResult, env, _budget(request, backend), artifacts.root)
             new_reference = acc.new_reference(found.data)
         conclusion = task.conclude(acc.data, found, artifacts, acc.dtype)
     except RunFailure as failure:

@@ -209,6 +209,7 @@ class HostLauncher:
             starting=self.starting(),
             draining=frozenset(self.draining),
             waited=backlog.waited,
+            stage_limit_s=self.settings.stage_limit_s(compiles=True),
         )
         plan = plan_host(state)
         if plan != self.last_plan:

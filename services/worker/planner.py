@@ -26,6 +26,7 @@ large aligned blocks stay free for large groups. When kept idle workers fragment
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -44,12 +45,14 @@ def group_counts(
     waited: Mapping[int, float] | None = None,
     spare: int = SPARE_GROUPS,
     busy: Mapping[int, int] | None = None,
+    stage_limit_s: float = math.inf,
 ) -> dict[int, int]:
     """Groups per size. ``backlog``: jobs per size that need cores (queued or running); ``seconds_per_job``:
     the expected accelerator-stage seconds per size (unknown sizes count 1 s, so the sizes weigh by
-    size); ``waited``: seconds the oldest queued job of each size has waited; ``busy``: busy groups per size."""
+    size); ``waited``: seconds the oldest queued job of each size has waited; ``busy``: busy groups per size;
+    ``stage_limit_s``: the accelerator stage's hard limit (``Settings.stage_limit_s``), which no job outlasts."""
     sizes = sorted((s for s in CORE_SIZES if backlog.get(s, 0) > 0 and s <= total_cores), reverse=True)
-    seconds = {s: (seconds_per_job or {}).get(s) or 1.0 for s in sizes}
+    seconds = {s: min((seconds_per_job or {}).get(s) or 1.0, stage_limit_s) for s in sizes}
     patience = max([PATIENCE_FLOOR_S, *seconds.values()])
     counts = {s: (busy or {}).get(s, 0) for s in sizes}  # rule 0
     free = total_cores - sum(s * n for s, n in counts.items())
@@ -122,6 +125,7 @@ class HostState:
     draining: frozenset[CoreGroup] = frozenset()  # finishing their job, then exiting
     waited: Mapping[int, float] = field(default_factory=dict)  # per size: the oldest queued job's wait, seconds
     spare: int = SPARE_GROUPS
+    stage_limit_s: float = math.inf  # the accelerator stage's hard limit: no job takes longer
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,13 @@ class HostPlan:
 def plan_host(state: HostState) -> HostPlan:
     busy_sizes = Counter(g.size for g in state.busy & state.workers)
     counts = group_counts(
-        state.total_cores, state.backlog, state.seconds_per_job, state.waited, state.spare, busy_sizes
+        state.total_cores,
+        state.backlog,
+        state.seconds_per_job,
+        state.waited,
+        state.spare,
+        busy_sizes,
+        state.stage_limit_s,
     )
     # Keep every worker if the layout can; else only the busy and starting ones (idle ones drain at once);
     # else none. Largest groups first (sizes descending) always pack, so the last try never fails.

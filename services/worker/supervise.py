@@ -19,7 +19,8 @@ from collections.abc import Callable
 from celery.utils.log import get_task_logger
 from pydantic import ValidationError
 
-from shared.contracts.enums import ErrorClass, Verdict
+from shared.contracts.enums import ErrorClass, Stage, Verdict
+from shared.contracts.handoffs import Artifacts
 from shared.contracts.report import RunReport
 from shared.contracts.run import RUNNER_MODULE, RunRequest
 from shared.cores import CoreGroup, cpu_set, pin_environment
@@ -30,6 +31,7 @@ from shared.settings import Settings, child_environment
 from shared.zygote_client import kill_group, start_python, zygote_address
 
 logger = get_task_logger(__name__)
+STAGE_LIMIT_GRACE_S = 30.0  # the runner reports its own timeouts; this waits a little for that report
 
 
 def runner_command(request: RunRequest) -> list[str]:
@@ -51,7 +53,10 @@ def supervise(
     """
     assert request.report is not None and request.artifacts is not None
     log_path = request.artifacts / f"{request.stage.value}-runner.log"
-    deadline = time.monotonic() + settings.job_timeout_s
+    # A backstop to the runner's own budgets, which it enforces first (and names the phase that ran out of its).
+    compiles = request.stage in (Stage.accelerator, Stage.full)
+    limit_s = settings.stage_limit_s(compiles) + STAGE_LIMIT_GRACE_S
+    deadline = time.monotonic() + limit_s
     core_range = str(group) if group else None
 
     def failed(error_class: ErrorClass, message: str) -> RunReport:
@@ -77,8 +82,10 @@ def supervise(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 kill_group(proc)
+                phase = Artifacts(request.artifacts).latest_phase()
+                where = f" in the {phase.phase} phase" if phase else " before any model phase"
                 return failed(
-                    ErrorClass.timeout, f"runner exceeded the {settings.job_timeout_s:.0f} s limit and was killed"
+                    ErrorClass.timeout, f"runner exceeded its stage's {limit_s:.0f} s limit{where} and was killed"
                 )
             try:
                 returncode = proc.wait(timeout=min(settings.heartbeat_interval_s, remaining))

@@ -55,6 +55,7 @@ class ErrorClass(StrEnum):
     worker_lost = "worker_lost"  # delivered max_attempts times without finishing
     no_worker = "no_worker"  # its queue had no live worker for longer than the configured wait
     unsupported_parallelism = "unsupported_parallelism"  # must be sharded, but has no plan that fits
+    placement = "placement"  # two ranks of a sharded run held the same core
     too_large = "too_large"  # needs more than 16 cores: SKIPPED at submission
     unsizable = "unsizable"  # neither safetensors metadata nor file sizes tell its size
     remote_code = "remote_code"  # needs trust_remote_code and its org is not allowlisted: SKIPPED
@@ -77,6 +78,14 @@ class CacheOutcome(StrEnum):
     hit = "hit"  # every graph it looked up was there
     miss = "miss"  # at least one was compiled anew
     none = "none"  # a compiler without a persistent cache
+    unknown = "unknown"  # the compiler keeps one, but did not say how this run's lookups went
+
+
+class CompilePath(StrEnum):
+    """Which compile an accelerator run's generate went through (transformers may add its own: see the runner)."""
+
+    forward = "forward"  # the forward compiled with the backend, generate's own auto-compile switched off
+    forward_and_generate = "forward+generate"  # generate also wrapped its decode step in a compile of its own
 
 
 class Parallelism(StrEnum):

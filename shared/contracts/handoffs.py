@@ -82,6 +82,21 @@ class VerdictOutput(BaseModel):
     new_reference: StoredReference | None = None  # computed here, for the worker to store
 
 
+class Phase(BaseModel):
+    """The phase a runner's child is in, as it announces it (``<child>.phase`` in the artifact directory): what the
+    launcher reads to charge time to the compile's budget or to the rest, and what a timeout names."""
+
+    phase: str
+    since: float  # Unix time
+
+    @classmethod
+    def read(cls, path: Path) -> Phase | None:
+        try:
+            return cls.model_validate_json(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+
 class Artifacts:
     """The files of one job's artifact directory, named once."""
 
@@ -94,6 +109,11 @@ class Artifacts:
         self.reference_prefill = root / "reference-prefill-logits.npy"
         self.verdict = root / "verdict.json"
         self.judge = root / "judge.json"
+
+    def latest_phase(self) -> Phase | None:
+        """The phase a child of this job's runner announced last."""
+        phases = [p for p in map(Phase.read, self.root.glob("*.phase")) if p is not None]
+        return max(phases, key=lambda p: p.since, default=None)
 
 
 def write_model(path: Path, model: BaseModel) -> None:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, NamedTuple
 from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
-from shared.contracts.enums import CacheOutcome, ErrorClass, Parallelism, Task, Verdict
+from shared.contracts.enums import CacheOutcome, CompilePath, ErrorClass, Parallelism, Task, Verdict
 from shared.contracts.fields import Int32, SqlOnly, Str16, Str32, Str64, Str200, shape_of
 from shared.contracts.run import RuntimeInfo, RuntimeVersions
 
@@ -53,8 +53,12 @@ class Resources(BaseModel):
 
     peak_memory_bytes: int | None = None  # measured: the max over ranks
     predicted_peak_bytes_per_core: int | None = None  # what sizing expected
-    graphs_compiled: Int32 | None = None  # graphs the compiler built: one for a model that compiles once
-    compile_cache: Annotated[CacheOutcome | None, Field(max_length=8)] = None
+    graphs_compiled: Int32 | None = None  # graphs dynamo built, for any compile: 2 (prefill, decode) when once
+    backend_graphs: Int32 | None = None  # of those, the graphs the backend's compile received
+    compile_path: Annotated[CompilePath | None, Field(max_length=32)] = None
+    compile_cache: Annotated[CacheOutcome | None, Field(max_length=8)] = None  # from this run's own lookups:
+    cache_hits: Int32 | None = None  # graphs it looked up in the compile cache and found
+    cache_misses: Int32 | None = None  # and those it compiled anew
 
 
 class Comparison(BaseModel):
@@ -66,6 +70,7 @@ class Comparison(BaseModel):
     accelerator_loglik: float | None = None  # mean log-prob per token of its text under the reference
     reference_loglik: float | None = None
     similarity: float | None = None  # feature-extraction: the lowest cosine similarity to the reference
+    routing_margin: float | None = None  # MoE: the reference's smallest top-k router margin at the prompt's end
     reference_reused: bool | None = None  # the CPU reference came from the stored runs
     generated_text: str | None = None
     reference_text: str | None = None
@@ -88,7 +93,9 @@ class Placement(BaseModel):
     """How the accelerator run was laid out, as its rank 0 saw it."""
 
     parallelism: Annotated[Parallelism | None, Field(max_length=16)] = None
-    visible_cores: Str200 | None = None  # what the accelerator process could use (CPU affinity, devices)
+    visible_cores: Str200 | None = None  # the cores the accelerator ranks saw, together, as a range ("4-7")
+    rank_cores: Str200 | None = None  # each rank's core as that rank saw it, in rank order ("4,5,6,7")
+    collective: Str16 | None = None  # the process group's backend of a sharded run (gloo, neuron, nccl)
 
 
 class Provenance(BaseModel):

@@ -24,11 +24,20 @@ RUNNER_MODULE = "services.runner"
 
 
 class RuntimeVersions(BaseModel):
-    """The versions of what ran, as the runner found them installed: the part of a runtime a result row keeps."""
+    """The versions of what ran, as the runner found them installed: the part of a runtime a result row keeps.
 
-    compiler_version: Str100
+    A release of any but the compiler's build string is a new test (``IDENTITY_VERSIONS``): a TorchNeuron build on
+    the same neuronx-cc, or another runtime library, is never "already tested".
+    """
+
+    compiler_version: Str100  # as published: what users type (neuronx-cc's package version, inductor-<torch>)
     library_version: Str64
     torch_version: Str64 | None = None  # None on a job settled before any runner said
+    torch_neuronx_version: Str64 = ""  # TorchNeuron's package (neuron; "" elsewhere)
+    neuron_runtime_version: Str64 = ""  # aws-neuronx-runtime-lib (neuron; "" elsewhere)
+    # The compiler's full build string (neuronx-cc's with its +hash, as the NEFF cache namespaces it): provenance;
+    # the published version above names the release.
+    compiler_build: Str100 = ""
 
 
 class RuntimeInfo(RuntimeVersions):
@@ -40,6 +49,8 @@ class RuntimeInfo(RuntimeVersions):
     library: Str64 = LIBRARY
 
 
+# The versions that make a job another test: with the model, task, test config and cores, its identity.
+IDENTITY_VERSIONS = ("compiler_version", "library_version", "torch_neuronx_version", "neuron_runtime_version")
 # The runtime fields a stored CPU reference depends on (the rest say what compiled the accelerator run).
 LIBRARY_FIELDS = ("library", "library_version", "torch_version")
 

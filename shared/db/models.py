@@ -13,7 +13,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from shared.contracts.enums import ACTIVE_STATES, ErrorClass, JobState, Scope, SweepState, Verdict
 from shared.contracts.fields import FieldShape, shape_of
 from shared.contracts.report import row_fields
-from shared.contracts.run import LIBRARY, LIBRARY_FIELDS, RuntimeInfo
+from shared.contracts.run import IDENTITY_VERSIONS, LIBRARY, LIBRARY_FIELDS, RuntimeInfo
 
 
 def utcnow() -> dt.datetime:
@@ -92,7 +92,14 @@ LibraryIdentity = columns_mixin(
 
 
 class RuntimeIdentity(  # type: ignore[misc]
-    columns_mixin("RuntimeColumns", {n: f for n, f in _RUNTIME.items() if n not in LIBRARY_FIELDS}), LibraryIdentity
+    columns_mixin(
+        "RuntimeColumns",
+        {n: f for n, f in _RUNTIME.items() if n not in LIBRARY_FIELDS},
+        torch_neuronx_version="",
+        neuron_runtime_version="",
+        compiler_build="",
+    ),
+    LibraryIdentity,
 ):
     """The fields that say what runs a job, equal to ``RuntimeInfo``'s: one home for jobs and workers."""
 
@@ -161,8 +168,7 @@ class Job(RuntimeIdentity, Base):
             "uq_jobs_active_identity",
             "model_id",
             "sha",
-            "compiler_version",
-            "library_version",
+            *IDENTITY_VERSIONS,
             "task",
             "config_hash",
             "cores",

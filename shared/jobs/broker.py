@@ -53,7 +53,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             # longest job: a healthy long run's message then comes back at most once, and that delivery
             # finds the live lease and waits its turn instead of running the job again.
             "visibility_timeout": int(
-                settings.visibility_timeout_s or settings.job_timeout_s + 10 * settings.lease_timeout_s
+                settings.visibility_timeout_s or settings.stage_limit_s(compiles=True) + 10 * settings.lease_timeout_s
             ),
         },
         "task_acks_late": True,  # a job's message survives the worker that took it

@@ -9,9 +9,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import CompilerName
-from shared.contracts.run import LIBRARY, RuntimeInfo
+from shared.contracts.run import IDENTITY_VERSIONS, LIBRARY, RuntimeInfo
 from shared.db.models import Worker, utcnow
-from shared.installed import cpu_compiler, installed_version
+from shared.installed import cpu_compiler, installed_version, neuron_versions
 from shared.settings import Settings
 
 
@@ -40,9 +40,10 @@ RUNTIME_COLUMNS = [getattr(Worker, name) for name in RuntimeInfo.model_fields]
 def served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
     """Distinct runtimes of live workers, or the configured default when none is live.
 
-    A (compiler version, library version) is served by the runtime of its first live worker by name, in that
-    order. Read as the distinct runtime columns (with the first worker name of each), not as worker rows: a
-    fleet has hundreds of workers and a handful of runtimes, and every submission asks.
+    An identity (``IDENTITY_VERSIONS``: compiler, library, TorchNeuron and runtime versions) is served by the
+    runtime of its first live worker by name, in that order. Read as the distinct runtime columns (with the first
+    worker name of each), not as worker rows: a fleet has hundreds of workers and a handful of runtimes, and every
+    submission asks.
     """
     first_worker = sa.func.min(Worker.name)
     distinct = (
@@ -51,10 +52,10 @@ def served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
         .group_by(*RUNTIME_COLUMNS)
         .order_by(first_worker)
     )
-    seen: dict[tuple[str, str], RuntimeInfo] = {}
+    seen: dict[tuple[str, ...], RuntimeInfo] = {}
     for _, *columns in session.execute(distinct):
         runtime = RuntimeInfo(**dict(zip(RuntimeInfo.model_fields, columns, strict=True)))
-        seen.setdefault((runtime.compiler_version, runtime.library_version), runtime)
+        seen.setdefault(tuple(getattr(runtime, version) for version in IDENTITY_VERSIONS), runtime)
     if seen:
         return list(seen.values())
     default = default_runtime(settings)
@@ -85,6 +86,7 @@ def default_runtime(settings: Settings) -> RuntimeInfo | None:
         compiler_version=compiler_version,
         library_version=library_version,
         torch_version=torch_version or "unknown",
+        **(neuron_versions() if settings.backend == "neuron" else {}),
     )
 
 

@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import ACTIVE_STATES, ErrorClass, JobState, Task, Verdict
-from shared.contracts.run import RuntimeInfo
+from shared.contracts.run import IDENTITY_VERSIONS, RuntimeInfo
 from shared.db.models import Job
 from shared.hub import kinds
 from shared.hub.client import Gated, ResolvedModel, Unsizable, adapter_base, model_shape, read_json, resolve_model
@@ -77,8 +77,7 @@ def _identity(model: ResolvedModel, runtime: RuntimeInfo, task: str, cores: int)
     return sa.and_(
         Job.model_id == model.model_id,
         Job.sha == model.sha,
-        Job.compiler_version == runtime.compiler_version,
-        Job.library_version == runtime.library_version,
+        *(getattr(Job, version) == getattr(runtime, version) for version in IDENTITY_VERSIONS),
         Job.task == task,
         Job.config_hash == config_hash(task),
         Job.cores == cores,

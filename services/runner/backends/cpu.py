@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from services.runner.backends.base import Backend, inductor_cache_outcome
+from services.runner.backends.base import Backend, CacheLookups, RankPin, inductor_cache_lookups
 from services.runner.compile_cache import inductor_env, local_cache_dir
 from services.runner.measure import peak_rss_bytes
-from shared.cores import format_cpus
+from shared.cores import CoreGroup, cpu_set, format_cpus
 from shared.installed import cpu_compiler
 
 
@@ -35,13 +36,20 @@ class CpuBackend(Backend):
     def accelerator_env(self) -> dict[str, str]:
         return inductor_env(local_cache_dir(self.settings.cache_path, self.name))
 
-    def compiler(self) -> tuple[str, str]:
+    def compiler(self) -> tuple[str, str, str]:
         import torch
 
-        return cpu_compiler(self.compile_backend, torch.__version__, self.dtype)
+        name, version = cpu_compiler(self.compile_backend, torch.__version__, self.dtype)
+        return name, version, version
 
     def peak_memory_bytes(self) -> int:
         return peak_rss_bytes()
+
+    exclusive_cores = False  # a group may have more cores than the host has CPUs: core i runs on CPU i mod n
+
+    def rank_pin(self, core: int) -> RankPin:
+        """A rank runs on its core's CPU (``cpu_set``), as a core-group worker runs on its group's."""
+        return RankPin({"LOCAL_RANK": "0"}, cpus=cpu_set(CoreGroup(core, 1)))
 
     def visible_cores(self) -> str:
         return format_cpus(os.sched_getaffinity(0))
@@ -52,5 +60,15 @@ class CpuBackend(Backend):
 
             torch.set_num_threads(self.settings.cpu_threads)
 
-    def cache_outcome(self, new_files: int) -> str:
-        return inductor_cache_outcome()
+    def generation_config(self) -> dict[str, Any]:
+        """transformers' switch that makes generate treat the CPU as it treats a neuron device: eligible for its
+        own auto-compile. With it on, every cpu run takes the branch a trn2 run takes, so the tests see that the
+        run's ``disable_compile`` keeps it to one compile."""
+        from transformers import CompileConfig
+
+        config = CompileConfig()
+        config._compile_all_devices = True
+        return {"compile_config": config}
+
+    def cache_lookups(self) -> CacheLookups:
+        return inductor_cache_lookups()

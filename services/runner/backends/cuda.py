@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.runner.backends.base import DeviceBackend, inductor_cache_outcome
+from services.runner.backends.base import CacheLookups, DeviceBackend, inductor_cache_lookups
 from services.runner.compile_cache import inductor_env, local_cache_dir
 
 
@@ -11,14 +11,16 @@ class CudaBackend(DeviceBackend):
     device = "cuda"
     collective = "nccl"
     compile_backend = "inductor"
+    visible_variable = "CUDA_VISIBLE_DEVICES"
 
     def accelerator_env(self) -> dict[str, str]:
         return inductor_env(local_cache_dir(self.settings.cache_path, self.name))
 
-    def compiler(self) -> tuple[str, str]:
+    def compiler(self) -> tuple[str, str, str]:
         import torch
 
-        return "inductor", f"inductor-{torch.__version__}"
+        version = f"inductor-{torch.__version__}"
+        return "inductor", version, version
 
-    def cache_outcome(self, new_files: int) -> str:
-        return inductor_cache_outcome()
+    def cache_lookups(self) -> CacheLookups:
+        return inductor_cache_lookups()

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from services.runner.backends.base import DeviceBackend
+from services.runner.backends.base import CacheLookups, DeviceBackend
 from services.runner.compile_cache import local_cache_dir
+from shared.installed import installed_version, neuron_versions
 
 
 class NeuronBackend(DeviceBackend):
@@ -18,6 +19,7 @@ class NeuronBackend(DeviceBackend):
     device = "neuron"
     collective = "neuron"
     compile_backend = "neuron"
+    visible_variable = "NEURON_RT_VISIBLE_CORES"
 
     def reference_env(self) -> dict[str, str]:
         # torch-neuronx registers itself as torch's accelerator on import; the reference must stay on the CPU.
@@ -37,10 +39,32 @@ class NeuronBackend(DeviceBackend):
         # imported, which a runner forked from the zygote (torch imported with autoload off) has not had.
         import torch_neuronx  # noqa: F401
 
-    def compiler(self) -> tuple[str, str]:
-        import neuronxcc  # the full version, with its +hash, as the NEFF cache namespaces it
+    def compiler(self) -> tuple[str, str, str]:
+        import neuronxcc  # the full build, with its +hash, as the NEFF cache namespaces it
 
-        return "neuronx-cc", str(neuronxcc.__version__)
+        build = str(neuronxcc.__version__)
+        # the published version users type (--compiler 2.28.7631.0) is the package's, without the +hash
+        return "neuronx-cc", installed_version("neuronx-cc") or build.split("+")[0], build
+
+    def stack_versions(self) -> dict[str, str]:
+        return neuron_versions()
+
+    def cache_lookups(self) -> CacheLookups:
+        """TorchNeuron's compilation-cache counters of this process (CompilationCache.PersistentHits and
+        PersistentMisses, its metrics). Read only, without a trn2 host here: a TorchNeuron that does not expose
+        them reports the outcome as unknown rather than guessing from the shared cache directory."""
+        import torch_neuronx
+
+        metrics = getattr(torch_neuronx, "metrics", None)
+        read = getattr(metrics, "get_metrics", None) or getattr(torch_neuronx, "get_dynamo_metrics", None)
+        found = read() if callable(read) else {}
+        flat = {str(k).lower(): v for k, v in (found.items() if isinstance(found, dict) else [])}
+
+        def count(name: str) -> int | None:
+            value = next((v for k, v in flat.items() if k.endswith(name)), None)
+            return int(value) if isinstance(value, int | float) else None
+
+        return CacheLookups(count("persistenthits"), count("persistentmisses"))
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         import torch_neuronx  # noqa: F401 - registers the "neuron" device and dynamo backend

@@ -14,12 +14,12 @@ import numpy as np
 
 from services.runner.backends.base import Backend
 from services.runner.failures import phase
-from services.runner.measure import Stopwatch, accelerator_timings
+from services.runner.measure import Stopwatch, accelerator_timings, compile_record
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks.conclusion import Conclusion
 from shared.contracts.enums import ErrorClass, Parallelism, Task, Verdict
 from shared.contracts.handoffs import AcceleratorData, Artifacts
-from shared.contracts.report import Comparison, Placement, Resources
+from shared.contracts.report import Comparison, Resources
 from shared.testconfig import SENTENCES
 
 THRESHOLD = {"float32": 0.999}
@@ -56,7 +56,7 @@ class FeatureExtraction:
 
         from services.runner import parallel
 
-        clock = Stopwatch()
+        clock = Stopwatch(announce=spec.phase_file)
         with phase(ErrorClass.load), clock.time("load"):
             # Encoders carry no parallel plan: a forced split is refused here with the reason.
             config = AutoConfig.from_pretrained(spec.model_dir, trust_remote_code=spec.trust_remote_code)
@@ -70,9 +70,9 @@ class FeatureExtraction:
         return AcceleratorData(
             embeddings=embeddings.tolist(),
             finite=bool(embeddings.isfinite().all()),
-            placement=Placement(parallelism=Parallelism.none, visible_cores=backend.visible_cores()),
+            placement=backend.placement().model_copy(update={"parallelism": Parallelism.none}),
             timings=accelerator_timings(clock),
-            resources=Resources(peak_memory_bytes=backend.peak_memory_bytes()),
+            resources=Resources(peak_memory_bytes=backend.peak_memory_bytes(), **compile_record(model, backend)),
         )
 
     def reference(self, spec: ReferenceSpec, backend: Backend) -> ReferenceResult:

@@ -21,20 +21,27 @@ import numpy as np
 
 from services.runner.backends.base import Backend
 from services.runner.failures import phase
-from services.runner.measure import Stopwatch, accelerator_timings, peak_rss_bytes
+from services.runner.measure import Stopwatch, accelerator_timings, compile_record, peak_rss_bytes
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks.conclusion import Conclusion
 from shared.contracts.enums import ErrorClass, Parallelism, Task
 from shared.contracts.evidence import Evidence, StepEvidence
 from shared.contracts.handoffs import AcceleratorData, Artifacts
-from shared.contracts.report import Comparison, Placement, Resources
+from shared.contracts.report import Comparison, Resources
 from shared.results.verdict import Tolerances, decide
 from shared.testconfig import NEW_TOKENS, PROMPT
 
 
 def _generation_kwargs(tokenizer: Any) -> dict[str, Any]:
+    """The test's arguments to ``generate``, for both runs. On an accelerator device with a static cache,
+    transformers' generate compiles its decode step itself, around the forward we compiled (its
+    ``CompileConfig``: inductor, reduce-overhead). A user's TorchNeuron run compiles the model with the neuron
+    backend, once: that is what a row measures, so generate's own compile is switched off by saying so
+    (``disable_compile``), never left to how dynamo happens to nest two compiles. Each row says which compile
+    ran (``compile_path``) and how many graphs it received."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return {
+        "disable_compile": True,
         "do_sample": False,
         "max_new_tokens": NEW_TOKENS,
         "min_new_tokens": NEW_TOKENS,
@@ -76,7 +83,7 @@ class TextGeneration:
         model_dir, world_size, rank = spec.model_dir, spec.world_size, spec.rank
         dtype = getattr(torch, backend.dtype)
         code = {"trust_remote_code": spec.trust_remote_code}
-        clock = Stopwatch()
+        clock = Stopwatch(announce=spec.phase_file)
         torch.manual_seed(0)
         with phase(ErrorClass.load), clock.time("load"):
             config = AutoConfig.from_pretrained(model_dir, **code)
@@ -91,7 +98,7 @@ class TextGeneration:
             if backend.fault:
                 faults.inject(model, backend.fault, rank, world_size)
             inputs = tokenizer(PROMPT, return_tensors="pt").to(model.device)
-        kwargs = _generation_kwargs(tokenizer)
+        kwargs = _generation_kwargs(tokenizer) | backend.generation_config()
         prompt_length = inputs["input_ids"].shape[1]
         kwargs["logits_processor"] = LogitsProcessorList(faults.logits_processors(backend.fault, prompt_length))
 
@@ -119,9 +126,9 @@ class TextGeneration:
             token_ids=tokens,
             text=tokenizer.decode(tokens, skip_special_tokens=True),
             finite=all(bool(torch.isfinite(step).all()) for step in logits),
-            placement=Placement(parallelism=kind, visible_cores=backend.visible_cores()),
+            placement=backend.placement().model_copy(update={"parallelism": kind}),
             timings=accelerator_timings(clock),
-            resources=Resources(peak_memory_bytes=backend.peak_memory_bytes()),
+            resources=Resources(peak_memory_bytes=backend.peak_memory_bytes(), **compile_record(model, backend)),
         )
 
     def reference(self, spec: ReferenceSpec, backend: Backend) -> ReferenceResult:
@@ -132,7 +139,7 @@ class TextGeneration:
         acc_tokens = spec.accelerator.token_ids or []
         dtype = getattr(torch, backend.dtype)
         code = {"trust_remote_code": spec.trust_remote_code}
-        clock = Stopwatch()
+        clock = Stopwatch(announce=spec.phase_file)
         with phase(ErrorClass.load), clock.time("load"):
             tokenizer = AutoTokenizer.from_pretrained(spec.model_dir, **code)
             model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=dtype, **code).eval()
