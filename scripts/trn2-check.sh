@@ -16,12 +16,14 @@
 #   --image TAG            the image to build and run (default supportmatrix:neuron)
 #   --user USER            run the container as USER (e.g. 10001, the image's `app`): does Neuron work without root?
 #   --compile-backend B    the cpu backend's dynamo backend (SUPPORTMATRIX_CPU_COMPILE_BACKEND, e.g. aot_eager)
+#   --calibration PATH     where the file for the verdict's calibration goes (default trn2-check-calibration.json):
+#                          per check, every step's logit difference against the CPU reference and the compile path
 # The Hub and compile caches are the stack's named volumes (supportmatrix-hf-home, supportmatrix-compile-cache);
 # HF_TOKEN and HF_ENDPOINT are passed on when set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-backend=neuron docker=1 models="" image=supportmatrix:neuron user="" pass=()
+backend=neuron docker=1 models="" image=supportmatrix:neuron user="" pass=() calibration=trn2-check-calibration.json
 while (($#)); do
     case "$1" in
         --backend) backend="$2"; shift 2 ;;
@@ -31,6 +33,7 @@ while (($#)); do
         --image) image="$2"; shift 2 ;;
         --user) user="$2"; shift 2 ;;
         --compile-backend) export SUPPORTMATRIX_CPU_COMPILE_BACKEND="$2"; shift 2 ;;
+        --calibration) calibration="$2"; shift 2 ;;
         -h|--help) sed -n '2,/^set -e/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown option: $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -39,7 +42,7 @@ done
 if ((docker == 0)); then
     python="${PYTHON:-.venv/bin/python}"
     [[ -n "$models" ]] && pass+=(--models "$models")
-    exec "$python" scripts/trn2_check.py --backend "$backend" "${pass[@]}"
+    exec "$python" scripts/trn2_check.py --backend "$backend" --calibration "$calibration" "${pass[@]}"
 fi
 
 # --- in the neuron image ------------------------------------------------------------------------------------
@@ -67,4 +70,7 @@ if [[ -n "$models" ]]; then
     run+=(-v "$(cd "$models" && pwd):/models:ro")
     pass+=(--models /models)
 fi
-exec "${run[@]}" "$image" scripts/trn2_check.py --backend "$backend" "${pass[@]}"
+out="$(cd "$(dirname "$calibration")" && pwd)"  # the calibration file comes back through a mount
+run+=(-v "$out:/out")
+exec "${run[@]}" "$image" scripts/trn2_check.py --backend "$backend" --calibration "/out/$(basename "$calibration")" \
+    "${pass[@]}"

@@ -166,6 +166,39 @@ def table(runs: list[CheckRun]) -> str:
     return "\n".join(lines)
 
 
+def ranks(runs: list[CheckRun]) -> str:
+    """Per sharded check, each rank's core as it saw it and the device the runtime bound it to."""
+    lines = []
+    for run in runs:
+        seen = run.report.placement.rank_cores
+        if run.check.cores > 1:
+            for rank, core_at in enumerate((seen or "?").split(",")):
+                core, _, device = core_at.partition("@")
+                lines.append(f"{run.check.what}: rank {rank} sees core {core}, runs on {device or '?'}")
+        if run.report.failure.error_class == ErrorClass.placement:
+            lines.append(f"{run.check.what}: TWO RANKS HOLD THE SAME CORE: {run.report.failure.error_message}")
+    return "\n".join(lines)
+
+
+def calibration(runs: list[CheckRun]) -> list[dict[str, Any]]:
+    """What the verdict's calibration needs from a trn2 host, per check: the compile path, and how far each step's
+    logits are from the CPU reference's on the same prefix."""
+    out = []
+    for run in runs:
+        r = run.report
+        evidence = r.comparison.evidence or {}
+        out.append({
+            "check": run.check.what, "model": r.subject.model_id, "verdict": r.verdict, "reason": r.verdict_reason,
+            "cores": r.provenance.cores, "parallelism": r.placement.parallelism, "rank_cores": r.placement.rank_cores,
+            "collective": r.placement.collective, "compile_path": r.resources.compile_path,
+            "graphs_compiled": r.resources.graphs_compiled, "backend_graphs": r.resources.backend_graphs,
+            "prefill_rel_error": r.comparison.prefill_rel_error, "routing_margin": r.comparison.routing_margin,
+            "step_rel_errors": evidence.get("step_rel_errors"), "divergent_steps": evidence.get("divergent_steps"),
+            "runtime": r.runtime.model_dump(mode="json") if r.runtime else None,
+        })  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python scripts/trn2_check.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -174,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", action="store_true", help="run the three at once, on disjoint cores")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run (compilation included)")
     parser.add_argument("--json", type=Path, help="also write the reports here")
+    parser.add_argument("--calibration", type=Path, default=Path("trn2-check-calibration.json"),
+                        help="per check: every step's logit error and the compile path")  # fmt: skip
     args = parser.parse_args(argv)
 
     print(f"backend: {args.backend}")
@@ -182,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     runs = run_all(args.backend, args.models, args.parallel, args.timeout_s)
     print(table(runs))
+    if any(run.check.cores > 1 for run in runs):
+        print("\n" + ranks(runs))
+    args.calibration.write_text(json.dumps(calibration(runs), indent=2))
+    print(f"\ncalibration: {args.calibration}")
     if args.json:
         reports = [{"check": run.check.what, "group": str(run.group), "elapsed_s": run.elapsed_s,
                     "report": run.report.model_dump(mode="json")} for run in runs]  # fmt: skip

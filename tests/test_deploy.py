@@ -7,6 +7,7 @@ testing.compose runs each service's command with the environment and healthcheck
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -312,15 +313,23 @@ def test_the_compose_stack_runs_a_job_as_local_processes(
 # --- the first-hour check ---------------------------------------------------------------------------------
 
 
-def test_the_trn2_check_passes_on_the_tiny_checkpoints_with_the_cpu_backend(tiny_models: Path) -> None:
+def test_the_trn2_check_passes_on_the_tiny_checkpoints_with_the_cpu_backend(tiny_models: Path, tmp_path: Path) -> None:
     """The first-hour check's own code path, with the cpu backend and no Docker: one model on one core, a dense
-    one tensor-parallel over 2, a MoE over 4 with expert parallelism — the suite's only 4-rank EP run."""
+    one tensor-parallel over 2, a MoE over 4 with expert parallelism — the suite's only 4-rank EP run. It prints
+    each rank's core and device, and leaves the file the verdict's calibration needs."""
+    calibration = tmp_path / "calibration.json"
     done = subprocess.run(
         ["bash", "scripts/trn2-check.sh", "--backend", "cpu", "--no-docker", "--models", str(tiny_models),
-         "--compile-backend", "aot_eager", "--parallel"],
+         "--compile-backend", "aot_eager", "--parallel", "--calibration", str(calibration)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "torch: 2.13.0" in done.stdout
     rows = [line.split() for line in done.stdout.splitlines() if " PASS " in f" {line} "]
     assert [(row[-6], row[-5]) for row in rows] == [("1", "none"), ("2", "tp"), ("4", "ep")], done.stdout
+    assert "dense, TP over 2: rank 1 sees core 1, runs on cpu" in done.stdout
+    assert "MoE, EP over 4: rank 3 sees core 1, runs on cpu" in done.stdout
+    checks = json.loads(calibration.read_text())
+    assert [c["compile_path"] for c in checks] == ["forward"] * 3 and all(c["backend_graphs"] == 2 for c in checks)
+    assert all(len(c["step_rel_errors"]) == 32 and max(c["step_rel_errors"]) < 1e-3 for c in checks)  # fp32
+    assert checks[2]["routing_margin"] is not None and checks[0]["routing_margin"] is None

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,18 @@ def test_inductor_compiles_and_a_second_host_hits_the_shared_cache(tiny_models: 
         f"python -m services.runner local/tiny-llama --local-dir {tiny_models / 'tiny-llama'} --backend cpu --cores 1"
     )
 
-    code, warm = run_local(tiny_models / "tiny-llama", SUPPORTMATRIX_CACHE_DIR=str(RUN_DIR / "cache-b"), **common)
+    # Two jobs at once on one cache: the warm one reads its own lookups while the cold one writes new entries beside
+    # it (an outcome read off the cache directory would call the warm one a miss).
+    other = {**common, "SUPPORTMATRIX_CACHE_DIR": str(RUN_DIR / "cache-b")}
+    with ThreadPoolExecutor(2) as pool:
+        cold_job = pool.submit(run_local, tiny_models / "tiny-qwen3", **other)
+        (code, warm), (cold_code, cold) = (
+            pool.submit(run_local, tiny_models / "tiny-llama", **other).result(),
+            cold_job.result(),
+        )
     assert code == 0 and warm.resources.compile_cache == "hit", warm
+    assert warm.resources.cache_hits and warm.resources.cache_misses == 0
+    assert cold_code == 0 and cold.resources.compile_cache == "miss" and cold.resources.cache_misses
     assert warm.comparison.generated_token_ids == report.comparison.generated_token_ids
 
 

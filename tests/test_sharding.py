@@ -44,6 +44,15 @@ def test_sharded_runs_pass(tiny_models: Path, model: str, cores: int, parallelis
     assert report.comparison.prefill_rel_error < (4e-2 if bf16 else 1e-3)
     assert report.judge.judge_kind == "likelihood" and report.judge.judge_prompt_hash  # sharded runs are judged
     assert report.resources.peak_memory_bytes > 100 * 2**20  # the max over ranks
+    # one compile, the run's own: generate's auto-compile (which the cpu backend's switch makes eligible, as on a
+    # neuron device) stays off, and the backend received every graph dynamo built (prefill and decode)
+    resources = report.resources
+    assert resources.compile_path == "forward" and resources.backend_graphs == resources.graphs_compiled == 2
+    # each rank on its own core, in a group of the backend's collective, and the row says so
+    assert report.placement.rank_cores == "0@cpu,1@cpu" and report.placement.visible_cores == "0-1"
+    assert report.placement.collective == "gloo"
+    if model.endswith("moe") or model.endswith("mixtral"):
+        assert report.comparison.routing_margin is not None and report.comparison.routing_margin >= 0
 
 
 def test_a_model_without_a_parallel_plan_forced_to_two_cores_is_unsupported(tiny_models: Path) -> None:
@@ -95,6 +104,11 @@ def test_a_rank_that_dies_takes_its_group_down_and_is_named(tiny_models: Path) -
         time.sleep(0.1)
     assert len(ranks) == 2, "the two ranks never started"
     time.sleep(2)  # into loading or the collectives
+    # each live rank's environment: its rank, a world of 2, device index 0 of its own; each pinned to its own CPU
+    environments = {r.pid: r.environ() for r in ranks}
+    assert sorted(e["RANK"] for e in environments.values()) == ["0", "1"]
+    assert all(e["WORLD_SIZE"] == "2" and e["LOCAL_RANK"] == "0" for e in environments.values())
+    assert sorted(r.cpu_affinity() for r in ranks) == [[0], [1]]
     [victim] = [r for r in ranks if r.cmdline()[-1].endswith("accelerator.rank1.spec.json")]
     victim.kill()
     out, _ = runner.communicate(timeout=120)

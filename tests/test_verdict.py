@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+import pytest
+
+from shared import testconfig
 from shared.contracts.enums import Verdict
 from shared.contracts.evidence import Evidence, JudgeOutcome, StepEvidence
 from shared.contracts.report import Comparison, JudgeAudit
-from shared.results.verdict import Tolerances, decide, first_divergence
+from shared.results.verdict import decide, first_divergence
+from shared.testconfig import Tolerances, config_hash
 
 BF16 = Tolerances.for_dtype("bfloat16")
 FP32 = Tolerances.for_dtype("float32")
@@ -146,3 +151,34 @@ def test_the_bf16_and_fp32_tolerances_at_their_edges() -> None:
         for loss, verdict in ((slack * 0.99, Verdict.PASS), (slack * 1.01, Verdict.FAIL)):
             found = evidence(diverged(5), TOKENS, [near], accelerator_loglik=-2.0 - loss, reference_loglik=-2.0)
             assert decide(found, tol).verdict == verdict
+
+
+def test_any_tolerance_is_part_of_the_test_so_changing_it_makes_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 prefill tolerance went from 0.05 to 0.04 once without a new rule version: older verdicts counted as
+    the same test. The tolerances are hashed into the test config (a job's identity) as they are."""
+    before = {task: config_hash(task) for task in ("text-generation", "feature-extraction")}
+    bf16 = Tolerances.for_dtype("bfloat16")
+    monkeypatch.setattr(Tolerances, "for_dtype", classmethod(lambda cls, dtype: replace(bf16, prefill=0.05)))
+    assert config_hash("text-generation") != before["text-generation"]
+    monkeypatch.setitem(testconfig.SIMILARITY, "bfloat16", 0.98)
+    assert config_hash("feature-extraction") != before["feature-extraction"]
+
+
+def test_a_moe_routing_near_tie_excuses_the_prefill_but_not_the_tokens_or_a_gross_error() -> None:
+    """bf16 flips a router choice the reference makes at a near tie: the prefill moves past its tolerance though
+    nothing is wrong. Such a run is decided by its tokens; a dense model, a clear routing margin, a prefill error
+    beyond the routing cap, or implausible tokens still FAIL."""
+    flipped = evidence(TOKENS, TOKENS, prefill_rel_error=0.098)
+    flipped = replace(flipped, comparison=flipped.comparison.model_copy(update={"routing_margin": 0.01}))
+    decision = decide(flipped, BF16)
+    assert decision.verdict == Verdict.PASS and "routing near-tie" in decision.reason
+    clear = replace(flipped, comparison=flipped.comparison.model_copy(update={"routing_margin": 0.5}))
+    assert decide(clear, BF16).verdict == Verdict.FAIL
+    dense = replace(flipped, comparison=flipped.comparison.model_copy(update={"routing_margin": None}))
+    assert decide(dense, BF16).verdict == Verdict.FAIL
+    gross = replace(flipped, comparison=flipped.comparison.model_copy(update={"prefill_rel_error": 0.9}))
+    assert decide(gross, BF16).verdict == Verdict.FAIL  # a dropped layer is no flipped expert
+    step = StepEvidence(step=3, accelerator_token=999, reference_token=3, gap=2.0, rank=9)
+    far = evidence(diverged(3), TOKENS, [step], prefill_rel_error=0.098)
+    far = replace(far, comparison=far.comparison.model_copy(update={"routing_margin": 0.01}))
+    assert decide(far, BF16).verdict == Verdict.FAIL  # the tokens still decide

@@ -73,6 +73,7 @@ class ReferenceResult(BaseModel):
     accelerator_loglik: float | None = None
     processor_reordered_steps: list[int] = []  # where the logits processors changed greedy's pick
     reused: bool = False  # from a stored reference: the model did not run again
+    step_rel_errors: list[float] | None = None  # each step's raw logits against the accelerator's, relative
 
 
 class ChildOutcome(BaseModel):

@@ -35,9 +35,9 @@ from shared.contracts.run import RunRequest
 from shared.cores import format_cpus, parse_cpus
 from shared.hub.sizing import ModelShape, checkpoint_shape, default_core_memory_bytes, per_core_bytes, size_model
 from shared.results.signatures import error_signature
-from shared.results.verdict import Tolerances, decide
+from shared.results.verdict import decide
 from shared.settings import Settings, inherited_environment
-from shared.testconfig import reference_key
+from shared.testconfig import Tolerances, reference_key
 
 
 def run(request: RunRequest, settings: Settings) -> RunReport:

@@ -105,6 +105,7 @@ class Artifacts:
         self.accelerator = root / "accelerator.json"
         self.prefill = root / "prefill-logits.npy"
         self.step_scores = root / "step-scores.npy"
+        self.step_logits = root / "step-logits.npy"
         self.stored_reference = root / "stored-reference.json"
         self.reference_prefill = root / "reference-prefill-logits.npy"
         self.verdict = root / "verdict.json"

@@ -20,10 +20,7 @@ from services.runner.tasks.conclusion import Conclusion
 from shared.contracts.enums import ErrorClass, Parallelism, Task, Verdict
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, Resources
-from shared.testconfig import SENTENCES
-
-THRESHOLD = {"float32": 0.999}
-DEFAULT_THRESHOLD = 0.99
+from shared.testconfig import SENTENCES, similarity_threshold
 
 
 def _embed(model: Any, inputs: dict[str, Any]) -> Any:
@@ -90,7 +87,7 @@ class FeatureExtraction:
         expected = np.asarray(found.data["embeddings"], dtype=np.float64)
         norms = np.linalg.norm(produced, axis=1) * np.linalg.norm(expected, axis=1)
         cosines = ((produced * expected).sum(axis=1) / np.maximum(norms, 1e-12)).tolist()
-        threshold = THRESHOLD.get(dtype, DEFAULT_THRESHOLD)
+        threshold = similarity_threshold(dtype)
         lowest = min(cosines)
         passed = acc.finite and lowest >= threshold
         reason = (

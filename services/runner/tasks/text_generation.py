@@ -28,8 +28,8 @@ from shared.contracts.enums import ErrorClass, Parallelism, Task
 from shared.contracts.evidence import Evidence, StepEvidence
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, Resources
-from shared.results.verdict import Tolerances, decide
-from shared.testconfig import NEW_TOKENS, PROMPT
+from shared.results.verdict import decide
+from shared.testconfig import NEW_TOKENS, PROMPT, Tolerances
 
 
 def _generation_kwargs(tokenizer: Any) -> dict[str, Any]:
@@ -51,6 +51,23 @@ def _generation_kwargs(tokenizer: Any) -> dict[str, Any]:
         "output_scores": True,
         "return_dict_in_generate": True,
     }
+
+
+def routing_margin(model: Any, inputs: Any) -> float | None:
+    """A MoE model's smallest router margin over the prompt (every layer, every position): its k-th best expert's
+    logit minus the next one's, k its experts per token. bf16 noise flips a choice that close; None for a dense
+    model (or one whose forward returns no router logits)."""
+    import torch
+
+    k = getattr(model.config, "num_experts_per_tok", None)
+    if not k:
+        return None
+    with torch.inference_mode():
+        router = getattr(model(**inputs, output_router_logits=True), "router_logits", None)
+    if not router:
+        return None
+    ranked = [layer.float().sort(dim=-1, descending=True).values for layer in router]
+    return min(float((r[..., k - 1] - r[..., k]).min()) for r in ranked if r.shape[-1] > k)
 
 
 class _ForceTokens:
@@ -120,6 +137,7 @@ class TextGeneration:
         if rank == 0:
             artifacts = Artifacts(spec.artifacts)
             np.save(artifacts.prefill, logits[0].numpy())
+            np.save(artifacts.step_logits, torch.stack(logits).numpy())  # every step's raw logits (calibration)
             # What greedy picked from at each step (after the logits processors), for the verdict stage.
             np.save(artifacts.step_scores, torch.stack([s[0].float().cpu() for s in out.scores]).numpy())
         return AcceleratorData(
@@ -168,7 +186,13 @@ class TextGeneration:
             if best != token:
                 gap = processed[best].item() - processed[token].item()
                 steps.append(StepEvidence(i, token, best, gap, int((processed > processed[token]).sum())))
-        np.save(Artifacts(spec.artifacts).reference_prefill, out.logits[0][0].float().numpy())
+        artifacts = Artifacts(spec.artifacts)
+        np.save(artifacts.reference_prefill, out.logits[0][0].float().numpy())
+        accelerator_steps = np.load(artifacts.step_logits) if artifacts.step_logits.exists() else None
+        step_errors = None if accelerator_steps is None else [
+            float(np.linalg.norm(accelerator_steps[i] - ref) / np.linalg.norm(ref))
+            for i, ref in enumerate(step[0].float().numpy() for step in raw_steps[: len(accelerator_steps)])
+        ]  # fmt: skip
         data = {
             "token_ids": ref_tokens,
             "text": tokenizer.decode(ref_tokens, skip_special_tokens=True),
@@ -177,7 +201,11 @@ class TextGeneration:
             "peak_rss_bytes": peak_rss_bytes(),
         }
         return ReferenceResult(
-            data=data, divergent_steps=steps, accelerator_loglik=acc_loglik, processor_reordered_steps=reordered
+            data=data | {"routing_margin": routing_margin(model, inputs)},
+            divergent_steps=steps,
+            accelerator_loglik=acc_loglik,
+            processor_reordered_steps=reordered,
+            step_rel_errors=step_errors,
         )
 
     def reuse(self, acc: AcceleratorData, stored: dict[str, Any]) -> ReferenceResult | None:
@@ -207,6 +235,7 @@ class TextGeneration:
             prefill_rel_error=prefill_error,
             accelerator_loglik=found.accelerator_loglik,
             reference_loglik=ref["reference_loglik"],
+            routing_margin=ref.get("routing_margin"),
             reference_reused=found.reused,
             evidence={
                 "divergent_steps": [vars(s) for s in found.divergent_steps],
@@ -215,6 +244,8 @@ class TextGeneration:
                 "prompt_sha256": hashlib.sha256(PROMPT.encode()).hexdigest(),
                 "reference_generate_s": ref["generate_s"],
                 "reference_peak_rss_bytes": ref["peak_rss_bytes"],
+                # each step's raw logits against the reference's on the same prefix (none from a stored reference)
+                "step_rel_errors": found.step_rel_errors,
             },
         )
         sharded = acc.placement.parallelism != Parallelism.none
