@@ -24,8 +24,9 @@ class ChildSpec(BaseModel):
     world_size: int = 1
 
     @property
-    def phase_file(self) -> Path:
-        return phase_file(self.out)
+    def phase_file(self) -> Path | None:
+        """None for a spec run in-process, without the launcher (no outcome file to announce beside)."""
+        return phase_file(self.out) if self.out != Path() else None
 
 
 def phase_file(out: Path) -> Path:
