@@ -39,6 +39,7 @@ BENCHMARKS = {
     "compile_cache": Benchmark("bench.compile_cache", True, "P2: cold vs warm compile, 1 core and 2 ranks"),
     "api_scale": Benchmark("bench.api_scale", True, "P5: the API over 1 M result rows in PostgreSQL"),
     "export": Benchmark("bench.export_scale", True, "P6: full and incremental export, batched publish"),
+    "tiers": Benchmark("bench.tiers", True, "issue 20: the performance and long-generation tiers' cost per size"),
     "calibrate_sizing": Benchmark(
         "bench.calibrate_sizing", False, "issue 9: sizing fit (4 min)", ("--measure", "--quick", "--write")
     ),

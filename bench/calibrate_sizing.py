@@ -139,23 +139,10 @@ def rows_from_database(url: str | None) -> list[Row]:
 # --- measuring here -------------------------------------------------------------------------------------
 
 
-def _wide_llama(hidden: int, layers: int) -> Any:
-    def config() -> Any:
-        from transformers import LlamaConfig
-
-        return LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                           num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
-                           tie_word_embeddings=False)  # fmt: skip
-
-    return config
-
-
 def measure(work: Path, quick: bool, compile_backend: str, dtype: str, log: Any) -> list[Row]:
     from bench import checkpoints
     from shared.hub.sizing import checkpoint_shape
 
-    checkpoints.ARCHITECTURES.setdefault("wide-llama-512", (_wide_llama(512, 4), "LlamaForCausalLM"))
-    checkpoints.ARCHITECTURES.setdefault("wide-llama-1536", (_wide_llama(1536, 4), "LlamaForCausalLM"))
     plan = [("tiny-llama", 1), ("tiny-llama", 2), ("tiny-mixtral", 2), ("wide-llama-512", 1), ("wide-llama-1536", 1),
             ("wide-llama-1536", 2)]  # fmt: skip
     if not quick:

@@ -46,6 +46,22 @@ def name(arch: str, seed: int) -> str:
     return arch if seed == 0 else f"{arch}-s{seed}"
 
 
+def wide_llama(hidden: int, layers: int) -> Callable[[], Any]:
+    """A Llama wider than the fixtures, for size classes: measured memory and time grow with it."""
+
+    def config() -> Any:
+        from transformers import LlamaConfig
+
+        return LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                           num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512,
+                           tie_word_embeddings=False)  # fmt: skip
+
+    return config
+
+
+ARCHITECTURES.update({f"wide-llama-{hidden}": (wide_llama(hidden, 4), "LlamaForCausalLM") for hidden in (512, 1536)})
+
+
 def build(out_dir: Path, arch: str, seed: int) -> Path:
     """The checkpoint of ``arch`` with weights drawn from ``seed`` (kept when it is already there)."""
     out_dir.mkdir(parents=True, exist_ok=True)

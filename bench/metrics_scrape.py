@@ -24,7 +24,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-FAMILIES = ("jobs", "queues", "results", "durations", "compile_durations", "slowest", "deliveries", "hosts", "sweeps")
+FAMILIES = (
+    "jobs",
+    "queues",
+    "results",
+    "durations",
+    "compile_durations",
+    "slowest",
+    "throughput",
+    "deliveries",
+    "hosts",
+    "sweeps",
+)
 
 # The indexes (migration 0009) that turn each scan into an index-only scan (or a partial index of a few rows).
 METRICS_INDEXES = {

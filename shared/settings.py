@@ -35,6 +35,10 @@ class Settings(BaseSettings):
     # report 45 minutes and more for one large graph, aws-neuron-sdk#646). A timeout names the phase that ran out.
     job_timeout_s: float = Field(3600.0, gt=0, description="A runner's limit outside compilation.")
     compile_timeout_s: float = Field(10800.0, gt=0, description="The compile phase's own budget.")
+    # The tiers past the 32-token verdict, on the same cores after the compile (shared.testconfig sizes them):
+    # timed generations for speed (0 iterations: off) and the long-generation check.
+    perf_iterations: int = Field(3, ge=0, le=100)
+    long_generation: bool = True
     heartbeat_interval_s: float = Field(5.0, gt=0)
     lease_timeout_s: float = Field(120.0, gt=0, description="A running job whose heartbeat is older is stale.")
     max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it ends ERROR(worker_lost).")
@@ -69,7 +73,8 @@ class Settings(BaseSettings):
     cpu_fault: (
         Literal[
             "perturb_shard", "skip_allreduce", "drop_layer", "swap_token", "swap_near_tie",
-            "scale_shard_1pct", "scale_shard_10pct", "rotary_base", "zero_head", "cache_position",
+            "scale_shard_1pct", "scale_shard_10pct", "rotary_base", "zero_head", "cache_position", "late_corruption",
+            "late_nan", "slow_decode",
         ]
         | None
     ) = None  # fmt: skip
@@ -171,9 +176,9 @@ def get_settings() -> Settings:
 RUNNER_SETTINGS = frozenset(
     {
         "data_dir", "backend", "host_name", "cache_dir", "cpu_compile_backend", "job_timeout_s", "compile_timeout_s",
-        "core_memory_gib",
-        "moe_parallelism", "judge_kind", "judge_model", "judge_url", "judge_loglik_slack", "cpu_fault", "cpu_dtype",
-        "cpu_threads", "compile_cache_remote", "compile_cache_push", "hub_retry_delays_s",
+        "perf_iterations", "long_generation", "core_memory_gib", "moe_parallelism", "judge_kind", "judge_model",
+        "judge_url", "judge_loglik_slack", "cpu_fault", "cpu_dtype", "cpu_threads", "compile_cache_remote",
+        "compile_cache_push", "hub_retry_delays_s",
     }
 )  # fmt: skip
 # What a process needs from the host's environment: the interpreter and locale, huggingface_hub's settings

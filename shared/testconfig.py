@@ -14,6 +14,10 @@ from shared.contracts.enums import Task
 
 PROMPT = "The history of the printing press begins in"
 NEW_TOKENS = 32
+# Past the 32 tokens the verdict reads: a longer greedy generation against the reference's (every static cache is
+# sized for it, so no run compiles twice), and the timed generations of the performance tier.
+LONG_NEW_TOKENS = 256
+PERF_NEW_TOKENS = 64
 SENTENCES = [
     "The history of the printing press begins in the fifteenth century.",
     "A quick brown fox jumps over the lazy dog.",
@@ -58,6 +62,21 @@ class Tolerances:
         return cls(prefill=4e-2, near_tie_gap=0.3, top_k=5, loglik_slack=0.3, routing_tie=0.05, routing_cap=0.15)
 
 
+@dataclass(frozen=True)
+class LongTolerances:
+    """How the long-generation check reads its text (``shared.results.verdict.long_outcome``), windows of
+    ``window`` positions. A benign divergence late in a long bf16 generation is expected: the divergent text stays
+    about as likely under the reference as the reference's own. A window whose tokens lose more than
+    ``loglik_drop`` nats each is diverged; a last window whose ``ngram``-grams repeat more than ``repetition``
+    of the time, ``repetition_margin`` more than the reference's, collapsed."""
+
+    window: int = 32
+    loglik_drop: float = 1.0
+    ngram: int = 4
+    repetition: float = 0.5
+    repetition_margin: float = 0.25
+
+
 # feature-extraction: the lowest cosine similarity to the reference that passes — 0.999 in fp32 (numeric noise is
 # ~1e-6 there), 0.99 in bf16 (8 bits of mantissa through a deep encoder)
 SIMILARITY = {"float32": 0.999, "bfloat16": 0.99}
@@ -72,7 +91,13 @@ def test_config(task: str) -> dict[str, object]:
     when asked (so that no copy of a threshold can fall behind)."""
     if task == Task.text_generation.value:
         tolerances = {dtype: asdict(Tolerances.for_dtype(dtype)) for dtype in DTYPES}
-        return {"prompt": PROMPT, "new_tokens": NEW_TOKENS, "rule": VERDICT_RULE_VERSION, "tolerances": tolerances}
+        tiers = {
+            "long_new_tokens": LONG_NEW_TOKENS,
+            "long": asdict(LongTolerances()),
+            "perf_new_tokens": PERF_NEW_TOKENS,
+        }
+        return {"prompt": PROMPT, "new_tokens": NEW_TOKENS, "rule": VERDICT_RULE_VERSION, "tolerances": tolerances,
+                **tiers}  # fmt: skip
     if task == Task.feature_extraction.value:
         similarity = {dtype: similarity_threshold(dtype) for dtype in DTYPES}
         return {"sentences": SENTENCES, "pooling": "mean", "rule": VERDICT_RULE_VERSION, "similarity": similarity}

@@ -55,6 +55,10 @@ os.environ.update(
         "SUPPORTMATRIX_LEASE_TIMEOUT_S": "30",
         "SUPPORTMATRIX_WORKER_STALE_S": "15",
         "SUPPORTMATRIX_JOB_TIMEOUT_S": "600",
+        # The tiers past the verdict cost seconds a run: on for the tests that check them (tests/test_tiers.py,
+        # the compose stack's job), off elsewhere.
+        "SUPPORTMATRIX_PERF_ITERATIONS": "0",
+        "SUPPORTMATRIX_LONG_GENERATION": "false",
     }
 )
 

@@ -92,3 +92,11 @@ def test_the_readmes_layout_table_matches_the_tree() -> None:
         for path in (ROOT / top).glob("*/__init__.py")
     ]
     assert sorted(p for p in packages if p not in named) == []
+
+
+def test_the_row_page_names_every_column_of_the_record() -> None:
+    """docs/row.md says what each published column means: a new column without its line there fails."""
+    from shared.results.records import ResultRecord
+
+    page = (ROOT / "docs" / "row.md").read_text()
+    assert [name for name in ResultRecord.model_fields if f"`{name}`" not in page] == []

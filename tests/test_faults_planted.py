@@ -94,3 +94,14 @@ def test_only_the_last_rank_is_touched_by_a_shard_fault(llama: Any) -> None:
     for fault in ("scale_shard_10pct", "zero_head"):
         faults.inject(untouched, fault, rank=0, world_size=2)
     assert all(torch.equal(a, b) for a, b in zip(untouched.parameters(), llama.parameters(), strict=True))
+
+
+def test_the_setting_offers_exactly_the_planted_faults() -> None:
+    """SUPPORTMATRIX_CPU_FAULT accepts every fault the runner plants and no other: the two lists cannot drift."""
+    import typing
+
+    from services.runner.faults import FAULTS
+    from shared.settings import Settings
+
+    [offered] = [a for a in typing.get_args(Settings.model_fields["cpu_fault"].annotation) if a is not type(None)]
+    assert sorted(typing.get_args(offered)) == sorted(FAULTS)

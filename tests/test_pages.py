@@ -108,8 +108,9 @@ def plant(engine: sa.Engine) -> Seeded:
     org = f"pages{uuid.uuid4().hex[:8]}"
     with Session(engine) as session:
         for i in range(6):
+            speed = {"decode_tokens_per_s": 100.0} if i == 0 else {}
             finished(session, f"{org}/m{i}", runtime(OLD, LIB), Verdict.FAIL if i == 5 else Verdict.PASS,
-                     wall_s=40.0 + i, compile_s=30.0)  # fmt: skip
+                     wall_s=40.0 + i, compile_s=30.0, **speed)  # fmt: skip
         new: dict[int, int] = {}
         new[0] = finished(
             session, f"{org}/m0", runtime(NEW, LIB), Verdict.PASS,
@@ -119,6 +120,11 @@ def plant(engine: sa.Engine) -> Seeded:
             judge_rationale="The continuation is grammatical and on topic.",
             verdict_reason="tokens diverge from step 7, every divergence a near tie",
             reproduce=REPRODUCE.format(model=f"{org}/m0"),
+            decode_tokens_per_s=50.0, ttft_p50_s=0.2, ttft_p99_s=0.25, tpot_p50_s=0.02, tpot_p99_s=0.03,
+            perf_new_tokens=64, perf_prompt_tokens=10, perf_iterations=3,
+            long_generation="ok", long_new_tokens=246, long_first_divergence=180,
+            long_agreement=[1.0, 1.0, 1.0, 1.0, 1.0, 0.4, 0.1, 0.0],
+            long_reason="diverges from the reference at step 180, as plausible as its own text",
             evidence={"divergent_steps": [{"step": 7, "accelerator_token": 1234, "reference_token": 4321,
                                            "gap": 0.0004, "rank": 1}]},
         )  # fmt: skip
@@ -223,11 +229,11 @@ def test_the_table_renders_the_rows_of_a_seeded_database(page: Any, server: Serv
     assert "ERROR (compile)" in error_row.inner_text()  # the colour comes with its text
     assert error_row.locator(".verdict-ERROR").count() == 1
     first = page.locator("#results tbody tr").first.locator("td").all_inner_texts()
-    # result, cores, wall, compile, peak GiB, cache, cost — m0 ran 12.5 s on 2 cores
+    # result, cores, wall, compile, peak GiB, cache, decode rate, cost — m0 ran 12.5 s on 2 cores
     price = get_settings().price_per_core_hour_usd
-    assert first == ["✓ PASS", "2", "12.5 s", "9.0 s", "3.00", "hit", f"${12.5 * 2 / 3600 * price:,.4f}"]
+    assert first == ["✓ PASS", "2", "12.5 s", "9.0 s", "3.00", "hit", "50.0", f"${12.5 * 2 / 3600 * price:,.4f}"]
     assert page.locator("#row-count").inner_text() == "6"
-    assert page.locator("th[aria-sort]").count() == 8 and page.get_by_label("Model id contains").count() == 1
+    assert page.locator("th[aria-sort]").count() == 9 and page.get_by_label("Model id contains").count() == 1
 
 
 def test_search_and_the_version_selectors_narrow_the_table(page: Any, server: Served, seeded: Seeded) -> None:
@@ -282,6 +288,10 @@ def test_a_view_follows_the_newest_sweeps_rank_order_and_columns_sort(
     page.goto(linked)
     assert models_in_table(page)[0] == seeded.m(1)
 
+    page.get_by_role("link", name="Decode (tokens/s)").click()  # the one PASS with a measured rate first
+    page.wait_for_url(re.compile("sort=throughput"))
+    assert models_in_table(page)[0] == seeded.m(0) and "50.0" in page.locator("#results tbody tr").first.inner_text()
+
 
 def test_the_model_page_shows_the_evidence_and_the_reproduce_command(page: Any, server: Served, seeded: Seeded) -> None:
     page.goto(server.url(f"/model/{seeded.m(2)}"))  # an ERROR row: its class and message
@@ -299,8 +309,16 @@ def test_the_model_page_shows_the_evidence_and_the_reproduce_command(page: Any, 
     assert "grammatical" in page.locator("#judge-rationale").inner_text()
     assert "near tie" in page.locator("#verdict-reason").inner_text()
     assert page.locator("#near-ties tbody tr").all_inner_texts() == ["7\t1234\t4321\t0.0004\t1"]
-    # The history charts (wall time, peak memory): a bar per version, pages-1.0 · 5.0 then pages-2.0 · 5.0.
-    assert page.locator("figure.chart").count() == 2
+    assert page.locator("#throughput").inner_text().startswith("50.0 tokens/s · first token")
+    assert page.locator("#long-generation").inner_text().startswith("ok: diverges from the reference at step 180")
+    # The history charts (wall time, peak memory, decode rate, the long generation's profile): a bar (or a row of
+    # windows) per version, pages-1.0 · 5.0 then pages-2.0 · 5.0.
+    assert page.locator("figure.chart").count() == 4
+    assert page.locator("figure.chart").nth(2).locator("text.value").all_text_contents() == [
+        "100.00 tokens/s",
+        "50.00 tokens/s",
+    ]
+    assert page.locator("figure.chart").nth(3).locator("g.profile").last.locator("rect").count() == 8
     assert page.locator("figure.chart").first.locator("text.label").all_text_contents() == [
         f"{OLD} · {LIB} · PASS",
         f"{NEW} · {LIB} · PASS",
@@ -323,6 +341,8 @@ def test_the_changes_view_lists_a_planted_regression(page: Any, server: Served, 
     assert [row.split("\t")[0] for row in regressed] == [seeded.m(1), seeded.m(2)]
     assert "✓ PASS" in regressed[0] and "✗ FAIL" in regressed[0] and "! ERROR" in regressed[1]
     assert [row.split("\t")[0] for row in page.locator("#fixed tbody tr").all_inner_texts()] == [seeded.m(5)]
+    slower = page.locator("#slower tbody tr").all_inner_texts()  # 100 → 50 tokens/s: past the noise band
+    assert [row.split("\t") for row in slower] == [[seeded.m(0), "text-generation", "100.0", "50.0", "0.50"]]
 
 
 def test_the_sweep_page_shows_the_total_cost_and_the_cost_per_pass(page: Any, server: Served, seeded: Seeded) -> None:

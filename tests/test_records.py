@@ -17,7 +17,7 @@ from services.api.main import app
 from shared.contracts.enums import ErrorClass, Stage, Verdict
 from shared.contracts.fields import FieldShape, shape_of
 from shared.contracts.report import ROW_PARTS, RunReport, row_fields
-from shared.contracts.run import RuntimeInfo
+from shared.contracts.run import RuntimeInfo, RuntimeVersions
 from shared.db.models import Result
 from shared.hub.client import ResolvedModel
 from shared.jobs.lease import acquire_lease
@@ -100,7 +100,7 @@ def test_every_field_goes_through_sql_the_record_and_parquet_unchanged(session: 
     file hold each value under its name (cores and verdict under the public dataset's)."""
     values = {f.name: _sample(f.name, shape_of(f.info)) for f in row_fields()}
     values |= {"signature_id": "feedc0de", "cores": 2}
-    versions = {n: values.pop(n) for n in ("compiler_version", "library_version", "torch_version")}
+    versions = {n: values.pop(n) for n in RuntimeVersions.model_fields}
     runtime = RuntimeInfo(backend="cpu", compiler_name="c", **versions)
     model = ResolvedModel(model_id="org/every-field", sha="a" * 40, gated=False, pipeline_tag=None)
     [sub] = submit(session, model, None, [runtime], cores=2)

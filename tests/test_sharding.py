@@ -29,7 +29,7 @@ def run(tiny_models: Path, model: str, *args: str, **env: str) -> tuple[int, dic
         # Qwen3 over 2 ranks runs in the first-hour check (tests/test_deploy.py), Llama over 2 in bf16 in
         # tests/test_judges.py.
         ("tiny-llama", 2, "tp", {}),
-        ("tiny-mixtral", 2, "ep", {"SUPPORTMATRIX_CPU_DTYPE": "bfloat16"}),
+        ("tiny-mixtral", 2, "ep", {"SUPPORTMATRIX_CPU_DTYPE": "bfloat16", "SUPPORTMATRIX_LONG_GENERATION": "true"}),
         ("tiny-qwen3-moe", 2, "ep_tp", {"SUPPORTMATRIX_MOE_PARALLELISM": "ep_tp"}),
     ],
 )
@@ -51,6 +51,8 @@ def test_sharded_runs_pass(tiny_models: Path, model: str, cores: int, parallelis
     # each rank on its own core, in a group of the backend's collective, and the row says so
     assert report.placement.rank_cores == "0@cpu,1@cpu" and report.placement.visible_cores == "0-1"
     assert report.placement.collective == "gloo"
+    if env.get("SUPPORTMATRIX_LONG_GENERATION"):  # a benign bf16 run of two ranks: its long generation is ok
+        assert report.long.long_generation == "ok", report.long.long_reason
     if model.endswith("moe") or model.endswith("mixtral"):
         assert report.comparison.routing_margin is not None and report.comparison.routing_margin >= 0
 

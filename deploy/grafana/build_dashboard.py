@@ -178,6 +178,15 @@ def build() -> Dashboard:
             )
         )
         .with_panel(
+            series(
+                "Decode rate at batch 1",
+                "short",
+                query("supportmatrix_decode_tokens_per_second", "{{compiler_version}} tokens/s"),
+                description="The mean decode rate of each compiler version's PASS rows (their performance tier); "
+                "a version well below the others is a regression to look for in /changes.",
+            )
+        )
+        .with_panel(
             table.Panel()
             .title("Slowest models (wall time)")
             .datasource(DATASOURCE)

@@ -113,6 +113,7 @@ class StateCollector(Collector):
             yield from self.durations(session, dialect)
             yield from self.compile_durations(session, dialect)
             yield from self.slowest(session)
+            yield from self.throughput(session)
             yield from self.deliveries(session)
             yield from self.hosts(session, settings, now)
             yield from self.sweeps(session)
@@ -246,6 +247,23 @@ class StateCollector(Collector):
         for model_id, version, cores, wall_s in stats.slowest_results(session, SLOWEST):
             family.add_metric([model_id, version or "", str(cores)], wall_s)
         yield family
+
+    def throughput(self, session: Session) -> Iterator[Metric]:
+        rate = GaugeMetricFamily(
+            "supportmatrix_decode_tokens_per_second",
+            "Mean decode rate at batch 1 of the PASS rows of a compiler version (their performance tier)",
+            labels=["compiler_version"],
+        )
+        counted = GaugeMetricFamily(
+            "supportmatrix_throughput_results",
+            "PASS rows with a measured decode rate, per compiler version",
+            labels=["compiler_version"],
+        )
+        for version, tokens_per_s, n in stats.throughput_by_compiler(session):
+            rate.add_metric([version or ""], tokens_per_s)
+            counted.add_metric([version or ""], n)
+        yield rate
+        yield counted
 
     def deliveries(self, session: Session) -> Iterator[Metric]:
         """Redeliveries, the reconciler's re-sends, and the active jobs riding on a re-sent message."""

@@ -112,6 +112,12 @@ def diff_tables(diff: CellDiff) -> list[Table]:
         for c in changes:
             table.add_row(c.model_id, c.task, verdict_text(c.from_status), verdict_text(c.to_status))
         tables.append(table)
+    if diff.slower:
+        table = _table(f"slower ({len(diff.slower)})", "model", "task", f"{diff.from_version} tok/s",
+                       f"{diff.to_version} tok/s")  # fmt: skip
+        for speed in diff.slower:
+            table.add_row(speed.model_id, speed.task, f"{speed.from_tokens_per_s:.1f}", f"{speed.to_tokens_per_s:.1f}")
+        tables.append(table)
     return tables
 
 

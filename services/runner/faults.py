@@ -14,23 +14,34 @@ subtle (``bench/calibrate_verdict.py`` measures which ones the verdict catches):
 - ``cache_position``: every decode step runs at the position one past the cache's length (an off-by-one
   position id: RoPE, or a learned position embedding, of the wrong position); the prefill is untouched.
 
-Two act on generation instead, after the logits processors (what greedy picks from):
+Two only the long generation can see (the 32-token run never gets that far):
+- ``late_corruption``: from 100 tokens past the prompt on, every decode step reads a blank input (its token's
+  embedding zeroed), as a cache corrupted past a position would leave the model without what it wrote;
+- ``late_nan``: from there on, the input embedding is NaN.
+
+Three act on generation instead, after the logits processors (what greedy picks from):
 - ``swap_token``: at decode step 4 greedy takes the token ranked 10th — a divergence that is no near tie;
 - ``swap_near_tie``: at the first step from 4 on whose two best scores are within 0.05 nats, greedy takes
-  the second — the reordering bf16 drift causes, which the verdict must not fail.
+  the second — the reordering bf16 drift causes, which the verdict must not fail;
+- ``slow_decode``: every step sleeps 20 ms before its token is picked: right tokens, decoded slower.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 SCALED = {"scale_shard_1pct": 0.01, "scale_shard_10pct": 0.10}
 SCALE_PREFIX = "scale_shard@"  # scale_shard@<s>: the shard scaled by 1 + s (benches)
+LATE_FAULTS = {"late_corruption": 0.0, "late_nan": math.nan}  # the late decode steps' input embedding, times this
 MODEL_FAULTS = (
     "perturb_shard", "skip_allreduce", "drop_layer", *SCALED, "zero_head", "rotary_base", "cache_position",
+    *LATE_FAULTS,
 )  # fmt: skip
-GENERATION_FAULTS = ("swap_token", "swap_near_tie")
+GENERATION_FAULTS = ("swap_token", "swap_near_tie", "slow_decode")
+LATE_STEP = 100  # tokens past the prompt: far beyond the 32 the verdict reads, well inside the long generation
+SLOW_DECODE_S = 0.02
 FAULTS = MODEL_FAULTS + GENERATION_FAULTS
 SWAP_STEP = 4
 SWAP_RANK = 10
@@ -51,6 +62,15 @@ def logits_processors(fault: str | None, prompt_length: int) -> list[Any]:
     if fault not in GENERATION_FAULTS:
         return []
     from transformers import LogitsProcessor
+
+    if fault == "slow_decode":
+
+        class Slow(LogitsProcessor):
+            def __call__(self, input_ids: Any, scores: Any) -> Any:
+                time.sleep(SLOW_DECODE_S)
+                return scores
+
+        return [Slow()]
 
     class Swap(LogitsProcessor):
         def __init__(self) -> None:
@@ -75,7 +95,7 @@ def logits_processors(fault: str | None, prompt_length: int) -> list[Any]:
     return [Swap()]
 
 
-def inject(model: Any, fault: str, rank: int, world_size: int) -> None:
+def inject(model: Any, fault: str, rank: int, world_size: int, prompt_length: int = 0) -> None:
     import torch
 
     if fault in GENERATION_FAULTS:
@@ -116,6 +136,8 @@ def inject(model: Any, fault: str, rank: int, world_size: int) -> None:
         rotary_base(model, ROTARY_BASE_FACTOR)
     elif fault == "cache_position":
         shift_decode_positions(model, 1)
+    elif fault in LATE_FAULTS:
+        scale_late_inputs(model, prompt_length + LATE_STEP, LATE_FAULTS[fault])
     else:
         raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
 
@@ -201,3 +223,24 @@ def shift_decode_positions(model: Any, offset: int) -> None:
         return forward(*args, **kwargs)
 
     model.forward = shifted
+
+
+def scale_late_inputs(model: Any, position: int, factor: float) -> None:
+    """Every decode step whose position is ``position`` or later reads its input embedding times ``factor``. The
+    condition is a tensor (``torch.where``), so a compiled forward keeps its one decode graph."""
+    import torch
+
+    forward = model.forward
+    embed = model.get_input_embeddings()
+
+    def scaled(*args: Any, **kwargs: Any) -> Any:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if input_ids is None or input_ids.shape[1] != 1 or cache is None:
+            return forward(*args, **kwargs)
+        seen = torch.as_tensor(cache.get_seq_length(), device=input_ids.device)
+        embeds = embed(input_ids)
+        kwargs = {**kwargs, "input_ids": None, "inputs_embeds": torch.where(seen >= position, embeds * factor, embeds)}
+        return forward(*args[1:], **kwargs)
+
+    model.forward = scaled

@@ -75,6 +75,7 @@ class ReferenceResult(BaseModel):
     processor_reordered_steps: list[int] = []  # where the logits processors changed greedy's pick
     reused: bool = False  # from a stored reference: the model did not run again
     step_rel_errors: list[float] | None = None  # each step's raw logits against the accelerator's, relative
+    long_logprobs: list[float] | None = None  # the accelerator's long tokens' log-probs under the reference
 
 
 class ChildOutcome(BaseModel):

@@ -30,7 +30,7 @@ from shared.contracts.handoffs import (
     VerdictOutput,
     write_model,
 )
-from shared.contracts.report import Failure, Placement, Provenance, RunReport, Subject
+from shared.contracts.report import Failure, Performance, Placement, Provenance, RunReport, Subject
 from shared.contracts.run import RunRequest
 from shared.cores import format_cpus, parse_cpus
 from shared.hub.sizing import ModelShape, checkpoint_shape, default_core_memory_bytes, per_core_bytes, size_model
@@ -132,6 +132,7 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
     runtime = data.runtime
     assert runtime is not None and runtime.torch_version
     report.runtime, report.timings, report.resources = runtime, data.timings, data.resources
+    report.performance = data.performance  # the verdict stage keeps it for a PASS only
     key = reference_key(
         request.model_id,
         checkpoint.content_id,
@@ -258,7 +259,7 @@ def judge_stage(settings: Settings, artifacts: Artifacts) -> RunReport:
     except RunFailure as failure:
         return failed(report, failure, prefix="judge: ")
     decision = decide(replace(output.evidence, judge=judge), Tolerances.for_dtype(output.dtype))
-    judged = Conclusion.of(decision, comparison, output.evidence).into(report)
+    judged = Conclusion.of(decision, comparison, output.evidence, report.long, report.performance).into(report)
     return judged.model_copy(update={"judge": judge.audit})
 
 
@@ -272,4 +273,6 @@ def failed(report: RunReport, failure: RunFailure, verdict: Verdict = Verdict.ER
     resources = report.resources
     if resources.graphs_compiled is None:
         resources = resources.model_copy(update={"graphs_compiled": failure.graphs_compiled})
-    return report.model_copy(update={"verdict": verdict, "failure": ended, "resources": resources})
+    # a run that did not end in a verdict has no speed to report (a PASS's alone is kept)
+    update = {"verdict": verdict, "failure": ended, "resources": resources, "performance": Performance()}
+    return report.model_copy(update=update)

@@ -88,6 +88,16 @@ class CompilePath(StrEnum):
     forward_and_generate = "forward+generate"  # generate also wrapped its decode step in a compile of its own
 
 
+class LongOutcome(StrEnum):
+    """The long-generation check's outcome: its own field, never folded into the 32-token verdict."""
+
+    ok = "ok"  # the text agrees, or diverges late and stays as plausible under the reference as its own
+    diverged = "diverged"  # a window of the text became implausible under the reference (loss of agreement)
+    collapsed = "collapsed"  # it fell into repetition that the reference's text does not show
+    non_finite = "non-finite"  # a step's logits were NaN or infinite
+    not_run = "not run"  # off by settings, another task, or the run ended before it
+
+
 class Parallelism(StrEnum):
     none = "none"  # one core
     tp = "tp"  # tensor parallel (dense models)

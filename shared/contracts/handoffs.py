@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from shared.contracts.evidence import Evidence
-from shared.contracts.report import Placement, Resources, RunReport, Timings
+from shared.contracts.report import Performance, Placement, Resources, RunReport, Timings
 from shared.contracts.run import LIBRARY, RuntimeInfo
 
 
@@ -29,6 +29,9 @@ class AcceleratorData(BaseModel):
     timings: Timings
     resources: Resources = Field(default_factory=Resources)
     runtime: RuntimeInfo | None = None
+    long_token_ids: list[int] | None = None  # the long generation's tokens (None: not run)
+    long_finite: bool | None = None
+    performance: Performance = Field(default_factory=Performance)  # the timed generations (empty: not run)
 
 
 class StoredReference(BaseModel):

@@ -14,7 +14,7 @@ from typing import Annotated, Any, NamedTuple
 from pydantic import BaseModel, Field
 from pydantic.fields import FieldInfo
 
-from shared.contracts.enums import CacheOutcome, CompilePath, ErrorClass, Parallelism, Task, Verdict
+from shared.contracts.enums import CacheOutcome, CompilePath, ErrorClass, LongOutcome, Parallelism, Task, Verdict
 from shared.contracts.fields import Int32, SqlOnly, Str16, Str32, Str64, Str200, shape_of
 from shared.contracts.run import RuntimeInfo, RuntimeVersions
 
@@ -79,6 +79,35 @@ class Comparison(BaseModel):
     evidence: Annotated[dict[str, Any] | None, SqlOnly] = None  # per-step detail: scores, cosines
 
 
+class Performance(BaseModel):
+    """Speed of a PASS at batch 1, after its compile, on the same cores: repeated timed generations of a fixed
+    prompt and number of new tokens (what AWS Neuron's and LLM-Perf's tables report). It promises nothing about
+    other batch sizes or lengths; a row that is not a PASS has none."""
+
+    perf_prompt_tokens: Int32 | None = None
+    perf_new_tokens: Int32 | None = None
+    perf_iterations: Int32 | None = None
+    decode_tokens_per_s: float | None = None  # median over iterations: tokens after the first / their seconds
+    ttft_p50_s: float | None = None  # time to first token: the prefill and its sampling
+    ttft_p99_s: float | None = None
+    tpot_p50_s: float | None = None  # time per output token after the first
+    tpot_p99_s: float | None = None
+
+
+class LongGeneration(BaseModel):
+    """A longer greedy generation against the CPU reference's of the same length: whether the text stays sane past
+    the 32 tokens the verdict reads. Its outcome is its own; a late benign bf16 divergence is ``ok``."""
+
+    long_generation: Annotated[LongOutcome | None, Field(max_length=16)] = None
+    long_new_tokens: Int32 | None = None
+    long_first_divergence: Int32 | None = None
+    long_agreement: list[float] | None = None  # per window of positions: the share of tokens equal to the reference's
+    long_loglik_drop: list[float] | None = None  # per window: nats per token the text loses to the reference's own
+    long_repetition: float | None = None  # repeated n-grams' share in the last window, the accelerator's text
+    long_reference_repetition: float | None = None  # and the reference's
+    long_reason: str | None = None
+
+
 class JudgeAudit(BaseModel):
     """What the judge of a sharded run was, was asked and answered."""
 
@@ -122,6 +151,8 @@ class RunReport(BaseModel):
     judge: JudgeAudit = Field(default_factory=JudgeAudit)
     placement: Placement = Field(default_factory=Placement)
     provenance: Provenance = Field(default_factory=Provenance)
+    performance: Performance = Field(default_factory=Performance)
+    long: LongGeneration = Field(default_factory=LongGeneration)
 
 
 # The parts a result row keeps, in column order, each as the model whose fields are its columns: every part but
@@ -134,6 +165,8 @@ ROW_PARTS: dict[str, type[BaseModel]] = {
     "judge": JudgeAudit,
     "placement": Placement,
     "provenance": Provenance,
+    "performance": Performance,
+    "long": LongGeneration,
     "runtime": RuntimeVersions,
 }
 OPTIONAL_PARTS = {"runtime"}  # a report may have none: their columns are nullable whatever the fields say

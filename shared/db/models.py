@@ -203,6 +203,11 @@ class Result(  # type: ignore[misc]
             "ix_results_compile_s", "compiler_version", "compile_s",
             sqlite_where=sa.text("compile_s IS NOT NULL"), postgresql_where=sa.text("compile_s IS NOT NULL"),
         ),
+        sa.Index(  # the decode rate per compiler version (/metrics)
+            "ix_results_throughput", "compiler_version", "decode_tokens_per_s",
+            sqlite_where=sa.text("decode_tokens_per_s IS NOT NULL"),
+            postgresql_where=sa.text("decode_tokens_per_s IS NOT NULL"),
+        ),
         sa.Index(
             "ix_results_wall_s", "wall_s",
             sqlite_where=sa.text("wall_s IS NOT NULL"), postgresql_where=sa.text("wall_s IS NOT NULL"),

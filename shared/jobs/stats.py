@@ -104,6 +104,22 @@ def last_result_at(session: Session) -> dt.datetime | None:
     return session.scalar(sa.select(Result.created_at).order_by(Result.id.desc()).limit(1))
 
 
+class Throughput(NamedTuple):
+    compiler_version: str | None
+    tokens_per_s: float  # the mean over the rows that have one (PASS rows with a performance tier)
+    results: int
+
+
+def throughput_by_compiler(session: Session) -> list[Throughput]:
+    """The decode rate at batch 1 per compiler version (ix_results_throughput)."""
+    rows = session.execute(
+        sa.select(Result.compiler_version, sa.func.avg(Result.decode_tokens_per_s), sa.func.count())
+        .where(Result.decode_tokens_per_s.is_not(None))
+        .group_by(Result.compiler_version)
+    ).tuples()
+    return [Throughput(version, float(mean), int(n)) for version, mean, n in rows]
+
+
 class StageBuckets(NamedTuple):
     compiler_version: str
     accelerator_bucket: int | None  # bounds_at_or_above of the stage's seconds

@@ -9,6 +9,7 @@ submission (SKIPPED) count like any other.
 from __future__ import annotations
 
 import re
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -61,11 +62,20 @@ class Cell:
     status: CellStatus
     runs: int
     flips: int
+    tokens_per_s: float | None = None  # the median decode rate of its PASS runs (the performance tier)
 
 
 def cells(session: Session, *, compiler: str | None = None, library_version: str | None = None) -> list[Cell]:
     stmt = (
-        sa.select(Job.model_id, Job.task, Job.compiler_version, Job.library_version, Job.sha, Result.verdict)
+        sa.select(
+            Job.model_id,
+            Job.task,
+            Job.compiler_version,
+            Job.library_version,
+            Job.sha,
+            Result.verdict,
+            Result.decode_tokens_per_s,
+        )
         .join(Result, Result.job_id == Job.id)
         .order_by(Job.id)
     )
@@ -73,17 +83,25 @@ def cells(session: Session, *, compiler: str | None = None, library_version: str
         stmt = stmt.where(Job.compiler_version == compiler)
     if library_version is not None:
         stmt = stmt.where(Job.library_version == library_version)
-    runs: dict[tuple[str, str, str, str], tuple[str, list[str]]] = {}
-    for model_id, task, comp, lib, sha, verdict in session.execute(stmt):
+    runs: dict[tuple[str, str, str, str], tuple[str, list[str], list[float]]] = {}
+    for model_id, task, comp, lib, sha, verdict, rate in session.execute(stmt):
         key = (model_id, task, comp, lib)
         current = runs.get(key)
         if current is None or current[0] != sha:  # a newer commit starts the cell afresh
-            runs[key] = (sha, [verdict.value])
-        else:
-            current[1].append(verdict.value)
+            current = runs[key] = (sha, [], [])
+        current[1].append(verdict.value)
+        if rate is not None:
+            current[2].append(rate)
     return [
-        Cell(*key, sha=sha, status=cell_status(verdicts), runs=len(verdicts), flips=flips(verdicts))
-        for key, (sha, verdicts) in sorted(runs.items())
+        Cell(
+            *key,
+            sha=sha,
+            status=cell_status(verdicts),
+            runs=len(verdicts),
+            flips=flips(verdicts),
+            tokens_per_s=statistics.median(rates) if rates else None,
+        )
+        for key, (sha, verdicts, rates) in sorted(runs.items())
     ]
 
 
@@ -98,6 +116,20 @@ class CellChange(BaseModel):
     to_sha: str
 
 
+class SpeedChange(BaseModel):
+    """A cell that decodes slower under the newer version, past the noise band."""
+
+    model_id: str
+    task: str
+    from_tokens_per_s: float
+    to_tokens_per_s: float
+    ratio: float = Field(description="The newer rate over the older one.")
+
+
+# A cell whose decode rate falls by more than this fraction between two versions regressed in speed. Repeated timed
+# runs of one model on one machine spread by less (bench/tiers.py measures it); a trn2 fleet's rows may say more.
+THROUGHPUT_NOISE_BAND = 0.15
+
 # What a diff compares: compiler versions, or library (transformers) versions.
 Axis = Literal["compiler", "library"]
 
@@ -110,6 +142,10 @@ class CellDiff(BaseModel):
     fixed: list[CellChange] = Field(default_factory=list, description="FAIL or ERROR, then PASS")
     flaky: list[CellChange] = Field(default_factory=list, description="FLAKY on either side")
     changed: list[CellChange] = Field(default_factory=list, description="any other change, e.g. SKIPPED to FAIL")
+    slower: list[SpeedChange] = Field(
+        default_factory=list,
+        description=f"decodes more than {THROUGHPUT_NOISE_BAND:.0%} slower (PASS runs' median tokens per second)",
+    )
 
 
 def diff(session: Session, axis: Axis, from_version: str, to_version: str) -> CellDiff:
@@ -139,4 +175,12 @@ def diff(session: Session, axis: Axis, from_version: str, to_version: str) -> Ce
             out.fixed.append(change)
         elif was.status != cell.status:
             out.changed.append(change)
+        if (
+            was.tokens_per_s
+            and cell.tokens_per_s
+            and cell.tokens_per_s < was.tokens_per_s * (1 - THROUGHPUT_NOISE_BAND)
+        ):
+            out.slower.append(SpeedChange(model_id=cell.model_id, task=cell.task, from_tokens_per_s=was.tokens_per_s,
+                                          to_tokens_per_s=cell.tokens_per_s,
+                                          ratio=cell.tokens_per_s / was.tokens_per_s))  # fmt: skip
     return out

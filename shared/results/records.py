@@ -30,7 +30,9 @@ from shared.contracts.report import row_fields
 from shared.db.models import Job, Result
 from shared.results.cells import CellStatus
 
-SCHEMA_VERSION = 3  # 2: failure signatures, graphs compiled, predicted peak memory per core; 3: columns by part
+# 2: failure signatures, graphs compiled, predicted peak memory per core; 3: columns by part; 4: runtime versions,
+# compile path, cache lookups, rank cores, routing margin, performance, long generation
+SCHEMA_VERSION = 4
 
 
 class RecordHead(BaseModel):

@@ -26,9 +26,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.contracts.enums import Verdict
+from shared.contracts.enums import LongOutcome, Verdict
 from shared.contracts.evidence import Evidence, StepEvidence
-from shared.testconfig import Tolerances
+from shared.contracts.report import LongGeneration
+from shared.testconfig import LongTolerances, Tolerances
 
 
 def is_near_tie(step: StepEvidence, tol: Tolerances) -> bool:
@@ -105,3 +106,71 @@ def decide(evidence: Evidence, tol: Tolerances) -> Decision:
             return fail(f"the {judge.kind} judge finds the sharded output not fluent: {judge.rationale}")
         reason += f"; {judge.kind} judge: {judge.rationale}"
     return Decision(Verdict.PASS, reason + routed, divergence)
+
+
+def repetition(tokens: Sequence[int], n: int) -> float:
+    """The share of ``tokens``' n-grams that already occurred earlier among them: 0 for varied text, near 1 for
+    a loop."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    if not grams:
+        return 0.0
+    seen: set[tuple[int, ...]] = set()
+    repeats = 0
+    for gram in grams:
+        repeats += gram in seen
+        seen.add(gram)
+    return repeats / len(grams)
+
+
+def long_outcome(
+    generated: Sequence[int],
+    reference: Sequence[int],
+    generated_logprobs: Sequence[float],
+    reference_logprobs: Sequence[float],
+    finite: bool,
+    tol: LongTolerances,
+) -> LongGeneration:
+    """The long-generation check, from the accelerator's tokens and the reference's (its own greedy run of the same
+    length), the log-prob the reference gives each accelerator token on the accelerator's prefix, and its own
+    tokens' log-probs. In order: a non-finite step; a collapse into repetition the reference does not show; a
+    window whose tokens the reference finds implausible (more than ``loglik_drop`` nats each below its own text's:
+    loss of agreement, not a late benign divergence, which stays as likely); else ok."""
+    w = tol.window
+    starts = range(0, min(len(generated), len(reference)), w)
+    agreement = [
+        sum(g == r for g, r in zip(generated[s : s + w], reference[s : s + w], strict=False))
+        / len(generated[s : s + w])
+        for s in starts
+    ]
+    drops = [
+        sum(reference_logprobs[s : s + w]) / len(reference_logprobs[s : s + w])
+        - sum(generated_logprobs[s : s + w]) / len(generated_logprobs[s : s + w])
+        for s in starts
+    ]
+    ours, theirs = repetition(generated[-w:], tol.ngram), repetition(reference[-w:], tol.ngram)
+    divergence = first_divergence(generated, reference)
+    found = LongGeneration(
+        long_new_tokens=len(generated), long_first_divergence=divergence, long_agreement=agreement,
+        long_loglik_drop=drops, long_repetition=ours, long_reference_repetition=theirs,
+    )  # fmt: skip
+    worst = max(range(len(drops)), key=drops.__getitem__, default=None)
+    if not finite:
+        outcome, reason = LongOutcome.non_finite, "the accelerator produced non-finite logits in the long generation"
+    elif ours > tol.repetition and ours - theirs > tol.repetition_margin:
+        outcome = LongOutcome.collapsed
+        reason = f"the last {w} tokens repeat {tol.ngram}-grams {ours:.0%} of the time (the reference: {theirs:.0%})"
+    elif worst is not None and drops[worst] > tol.loglik_drop:
+        outcome = LongOutcome.diverged
+        reason = (
+            f"tokens {worst * w}-{worst * w + w - 1} lose {drops[worst]:.2f} nats each against the reference's own "
+            f"text (at most {tol.loglik_drop:g}): implausible under the reference from there"
+        )
+    elif divergence is None:
+        outcome, reason = LongOutcome.ok, f"all {len(generated)} tokens match the reference"
+    else:
+        outcome = LongOutcome.ok
+        reason = (
+            f"diverges from the reference at step {divergence}, as plausible as its own text (the most a window "
+            f"loses: {max(drops):.2f} nats per token)"
+        )
+    return found.model_copy(update={"long_generation": outcome, "long_reason": reason})

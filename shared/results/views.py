@@ -25,7 +25,7 @@ from shared.results.records import ResultRecord
 
 View = Literal["all", "selected", "trending", "downloads"]
 VIEWS: tuple[View, ...] = ("all", "selected", "trending", "downloads")
-Sort = Literal["rank", "model", "result", "cores", "wall", "compile", "memory", "cache", "cost"]
+Sort = Literal["rank", "model", "result", "cores", "wall", "compile", "memory", "cache", "throughput", "cost"]
 SORTS: tuple[Sort, ...] = ("rank", "model", "result", "cores", "wall", "compile", "memory", "cache", "cost")
 Direction = Literal["asc", "desc"]
 # A job in these states has its result row (both are written in one transaction, shared.jobs.outcomes._close):
@@ -87,6 +87,7 @@ class Row:
     compile_s: float | None
     peak_memory_bytes: int | None
     compile_cache: str | None
+    decode_tokens_per_s: float | None  # a PASS's decode rate at batch 1 (the performance tier)
     cost_usd: float | None
 
     @property
@@ -193,6 +194,7 @@ def table_page(
         "compile": Result.compile_s,
         "memory": Result.peak_memory_bytes,
         "cache": Result.compile_cache,
+        "throughput": Result.decode_tokens_per_s,
         "cost": core_seconds,
     }
     key = order_by[sort]
@@ -209,11 +211,12 @@ def table_page(
         Result.compile_s,
         Result.peak_memory_bytes,
         Result.compile_cache,
+        Result.decode_tokens_per_s,
     ).order_by(key, *tie_breaks)
     rows = [
-        Row(rank_, model, job_id, _code(result), _code(error), cores, wall, compile_s, peak, cache,
+        Row(rank_, model, job_id, _code(result), _code(error), cores, wall, compile_s, peak, cache, rate,
             cost_usd=cost_usd(wall, cores, price_per_core_hour))
-        for rank_, model, job_id, result, error, cores, wall, compile_s, peak, cache in session.execute(
+        for rank_, model, job_id, result, error, cores, wall, compile_s, peak, cache, rate in session.execute(
             page.offset(offset).limit(limit)
         )
     ]  # fmt: skip
@@ -251,6 +254,9 @@ class VersionPoint:
     wall_s: float | None
     peak_gib: float | None
     job_id: int
+    decode_tokens_per_s: float | None = None
+    long_generation: str | None = None
+    long_agreement: list[float] | None = None  # per window of the long generation: tokens equal to the reference's
 
 
 def version_history(records: Sequence[ResultRecord], task: str) -> list[VersionPoint]:
@@ -266,6 +272,9 @@ def version_history(records: Sequence[ResultRecord], task: str) -> list[VersionP
             wall_s=r.wall_s,
             peak_gib=None if r.peak_memory_bytes is None else r.peak_memory_bytes / GIB,
             job_id=r.job_id,
+            decode_tokens_per_s=r.decode_tokens_per_s,
+            long_generation=None if r.long_generation is None else str(r.long_generation),
+            long_agreement=r.long_agreement,
         )
         for r in sorted(newest.values(), key=lambda r: r.job_id)
     ]

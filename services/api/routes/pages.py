@@ -18,7 +18,7 @@ from shared.contracts.enums import Task, Verdict
 from shared.db.models import Sweep
 from shared.jobs.sweeps import progress
 from shared.results import views
-from shared.results.cells import Axis, diff
+from shared.results.cells import THROUGHPUT_NOISE_BAND, Axis, diff
 from shared.results.records import query_results
 
 HERE = Path(__file__).resolve().parent.parent
@@ -162,7 +162,14 @@ def changes_page(
     return templates.TemplateResponse(
         request,
         "changes.html",
-        {"versions": versions, "from_version": from_, "to_version": to, "axis": axis, "changes": changes},
+        {
+            "versions": versions,
+            "from_version": from_,
+            "to_version": to,
+            "axis": axis,
+            "changes": changes,
+            "noise_band": THROUGHPUT_NOISE_BAND,
+        },
     )
 
 

@@ -23,29 +23,42 @@ from services.runner.backends.base import Backend
 from services.runner.failures import phase
 from services.runner.measure import Stopwatch, accelerator_timings, compile_record, peak_rss_bytes
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
-from services.runner.tasks.conclusion import Conclusion
+from services.runner.tasks.conclusion import NOT_RUN, Conclusion
+from services.runner.tasks.tiers import timed_generations, token_logprobs
 from shared.contracts.enums import ErrorClass, Parallelism, Task
 from shared.contracts.evidence import Evidence, StepEvidence
 from shared.contracts.handoffs import AcceleratorData, Artifacts
-from shared.contracts.report import Comparison, Resources
-from shared.results.verdict import decide
-from shared.testconfig import NEW_TOKENS, PROMPT, Tolerances
+from shared.contracts.report import Comparison, Performance, Resources
+from shared.results.verdict import decide, long_outcome
+from shared.testconfig import LONG_NEW_TOKENS, NEW_TOKENS, PERF_NEW_TOKENS, PROMPT, LongTolerances, Tolerances
 
 
-def _generation_kwargs(tokenizer: Any) -> dict[str, Any]:
+def long_new_tokens(config: Any, prompt_length: int) -> int:
+    """The long generation's length: ``LONG_NEW_TOKENS``, or what the model's context leaves after the prompt."""
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return min(LONG_NEW_TOKENS, context - prompt_length) if context else LONG_NEW_TOKENS
+
+
+def _generation_kwargs(
+    tokenizer: Any, prompt_length: int, long_tokens: int, new_tokens: int = NEW_TOKENS
+) -> dict[str, Any]:
     """The test's arguments to ``generate``, for both runs. On an accelerator device with a static cache,
     transformers' generate compiles its decode step itself, around the forward we compiled (its
     ``CompileConfig``: inductor, reduce-overhead). A user's TorchNeuron run compiles the model with the neuron
     backend, once: that is what a row measures, so generate's own compile is switched off by saying so
     (``disable_compile``), never left to how dynamo happens to nest two compiles. Each row says which compile
-    ran (``compile_path``) and how many graphs it received."""
+    ran (``compile_path``) and how many graphs it received.
+
+    Every static cache holds the long generation (``max_cache_len``): the 32-token run, the long one and the timed
+    ones then share one shape, and one compile serves them all."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return {
         "disable_compile": True,
         "do_sample": False,
-        "max_new_tokens": NEW_TOKENS,
-        "min_new_tokens": NEW_TOKENS,
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
         "cache_implementation": "static",
+        "max_cache_len": prompt_length + long_tokens,
         "pad_token_id": pad_id,
         "output_logits": True,
         "output_scores": True,
@@ -112,16 +125,19 @@ class TextGeneration:
                 model = parallel.load_sharded(AutoModelForCausalLM, config, str(model_dir), dtype, world_size, kind,
                                               spec.trust_remote_code)  # fmt: skip
             model.eval()
-            if backend.fault:
-                faults.inject(model, backend.fault, rank, world_size)
             inputs = tokenizer(PROMPT, return_tensors="pt").to(model.device)
-        kwargs = _generation_kwargs(tokenizer) | backend.generation_config()
-        prompt_length = inputs["input_ids"].shape[1]
-        kwargs["logits_processor"] = LogitsProcessorList(faults.logits_processors(backend.fault, prompt_length))
+            prompt_length = inputs["input_ids"].shape[1]
+            if backend.fault:
+                faults.inject(model, backend.fault, rank, world_size, prompt_length)
+        long_tokens = long_new_tokens(model.config, prompt_length)
+        kwargs = _generation_kwargs(tokenizer, prompt_length, long_tokens) | backend.generation_config()
+        planted = faults.logits_processors(backend.fault, prompt_length)
 
-        def generate() -> Any:
+        def generate(new_tokens: int = NEW_TOKENS, processors: list[Any] | None = None, **options: Any) -> Any:
+            run = kwargs | _generation_kwargs(tokenizer, prompt_length, long_tokens, new_tokens) | options
+            run["logits_processor"] = LogitsProcessorList([*planted, *(processors or [])])
             with torch.inference_mode():
-                out = model.generate(**inputs, **kwargs)
+                out = model.generate(**inputs, **run)
             backend.synchronize()
             return out
 
@@ -140,6 +156,19 @@ class TextGeneration:
             np.save(artifacts.step_logits, torch.stack(logits).numpy())  # every step's raw logits (calibration)
             # What greedy picked from at each step (after the logits processors), for the verdict stage.
             np.save(artifacts.step_scores, torch.stack([s[0].float().cpu() for s in out.scores]).numpy())
+        long_ids, long_finite = None, None
+        if backend.settings.long_generation:
+            with phase(ErrorClass.runtime), clock.time("long"):
+                long = generate(long_tokens, output_scores=False)
+            long_ids = long.sequences[0, prompt_length:].tolist()
+            long_finite = all(bool(torch.isfinite(step).all()) for step in long.logits)
+        performance = Performance()
+        if backend.settings.perf_iterations:
+            with phase(ErrorClass.runtime), clock.time("perf"):
+                performance = timed_generations(
+                    lambda clocks: generate(PERF_NEW_TOKENS, clocks, output_logits=False, output_scores=False),
+                    backend.synchronize, backend.settings.perf_iterations, prompt_length, PERF_NEW_TOKENS,
+                )  # fmt: skip
         return AcceleratorData(
             token_ids=tokens,
             text=tokenizer.decode(tokens, skip_special_tokens=True),
@@ -147,6 +176,9 @@ class TextGeneration:
             placement=backend.placement().model_copy(update={"parallelism": kind}),
             timings=accelerator_timings(clock),
             resources=Resources(peak_memory_bytes=backend.peak_memory_bytes(), **compile_record(model, backend)),
+            long_token_ids=long_ids,
+            long_finite=long_finite,
+            performance=performance,
         )
 
     def reference(self, spec: ReferenceSpec, backend: Backend) -> ReferenceResult:
@@ -163,12 +195,21 @@ class TextGeneration:
             model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype=dtype, **code).eval()
             inputs = tokenizer(PROMPT, return_tensors="pt")
         prompt_length = inputs["input_ids"].shape[1]
-        kwargs = _generation_kwargs(tokenizer)
+        acc_long = spec.accelerator.long_token_ids
+        long_tokens = long_new_tokens(model.config, prompt_length)
+        kwargs = _generation_kwargs(tokenizer, prompt_length, long_tokens)
+        # One greedy run of the reference serves both checks: its first 32 tokens are the 32-token run's (greedy,
+        # with EOS masked over those 32 steps either way)
+        own = kwargs | _generation_kwargs(
+            tokenizer, prompt_length, long_tokens, len(acc_long) if acc_long else NEW_TOKENS
+        )
         with phase(ErrorClass.runtime), clock.time("generate"), torch.inference_mode():
-            out = model.generate(**inputs, **kwargs)
-            ref_tokens = out.sequences[0, prompt_length:].tolist()
-            ref_logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
-            reference_loglik = sum(lp[t].item() for lp, t in zip(ref_logprobs, ref_tokens, strict=True)) / NEW_TOKENS
+            out = model.generate(**inputs, **own)
+            own_tokens = out.sequences[0, prompt_length:].tolist()
+            own_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in
+                            zip(out.logits, own_tokens, strict=True)]  # fmt: skip
+            ref_tokens = own_tokens[:NEW_TOKENS]
+            reference_loglik = sum(own_logprobs[:NEW_TOKENS]) / NEW_TOKENS
             if acc_tokens == ref_tokens:  # the reference's own run already went through the accelerator's prefix
                 raw_steps, processed_steps = out.logits, [step[0].float() for step in out.scores]
             else:
@@ -199,13 +240,20 @@ class TextGeneration:
             "reference_loglik": reference_loglik,
             "generate_s": clock.seconds["generate"],
             "peak_rss_bytes": peak_rss_bytes(),
+            "routing_margin": routing_margin(model, inputs),
         }
+        long_logprobs = None
+        if acc_long:  # the reference's long text, and the accelerator's scored under it on its own prefix
+            data |= {"long_token_ids": own_tokens, "long_logprobs": own_logprobs}
+            same = acc_long == own_tokens
+            long_logprobs = own_logprobs if same else token_logprobs(model, inputs["input_ids"], acc_long)
         return ReferenceResult(
-            data=data | {"routing_margin": routing_margin(model, inputs)},
+            data=data,
             divergent_steps=steps,
             accelerator_loglik=acc_loglik,
             processor_reordered_steps=reordered,
             step_rel_errors=step_errors,
+            long_logprobs=long_logprobs,
         )
 
     def reuse(self, acc: AcceleratorData, stored: dict[str, Any]) -> ReferenceResult | None:
@@ -250,4 +298,9 @@ class TextGeneration:
         )
         sharded = acc.placement.parallelism != Parallelism.none
         evidence = Evidence(comparison, found.divergent_steps, finite=acc.finite, sharded=sharded)
-        return Conclusion.of(decide(evidence, Tolerances.for_dtype(dtype)), comparison, evidence)
+        long = NOT_RUN
+        if acc.long_token_ids is not None and found.long_logprobs is not None:
+            long = long_outcome(acc.long_token_ids, ref["long_token_ids"], found.long_logprobs, ref["long_logprobs"],
+                                bool(acc.long_finite), LongTolerances())  # fmt: skip
+        decision = decide(evidence, Tolerances.for_dtype(dtype))
+        return Conclusion.of(decision, comparison, evidence, long, acc.performance)

@@ -1,0 +1,112 @@
+"""What PASS does not promise, measured per row: the performance tier (a PASS's decode rate, time to first token
+and per token) and the long-generation check (256 greedy tokens against the reference's), on real runner runs."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from shared.contracts.enums import LongOutcome, Verdict
+from shared.contracts.report import RunReport
+from shared.contracts.run import RuntimeInfo
+from shared.db.engine import session_scope
+from shared.hub.client import ResolvedModel
+from shared.jobs.lease import acquire_lease
+from shared.jobs.outcomes import finish
+from shared.jobs.submission import submit
+from shared.results.cells import THROUGHPUT_NOISE_BAND, diff
+from shared.results.verdict import long_outcome, repetition
+from shared.settings import get_settings
+from shared.testconfig import LONG_NEW_TOKENS, PERF_NEW_TOKENS, LongTolerances
+from tests.test_runner import run_local
+
+TIERS = {"SUPPORTMATRIX_PERF_ITERATIONS": "3", "SUPPORTMATRIX_LONG_GENERATION": "true"}
+
+
+def runs(tiny_models: Path, *cases: tuple[str, dict[str, str]]) -> list[RunReport]:
+    """The runner on each (checkpoint, environment) with both tiers on, two at a time: their reports, in order."""
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda case: run_local(tiny_models / case[0], **(TIERS | case[1])), cases))
+    assert all(code in (0, 1) for code, _ in done), [r.failure for _, r in done]
+    return [report for _, report in done]
+
+
+def test_late_faults_pass_the_verdict_and_are_caught_by_the_long_check_and_a_slow_decode_is_a_regression(
+    tiny_models: Path, api: Any
+) -> None:
+    """A cache corruption from 100 tokens on and a NaN from there both leave the 32 tokens right (PASS), and the
+    long check says what happened after; the clean run of the same checkpoint is ok, with the same compile, and
+    has its speed. The same model decoded with a planted 20 ms sleep per step has a lower rate in its row, and
+    /changes (the diff, the page and the JSON) lists it as slower between a version of each run."""
+    clean, corrupted, nan, slow = runs(
+        tiny_models, ("tiny-llama", {}), ("tiny-llama", {"SUPPORTMATRIX_CPU_FAULT": "late_corruption"}),
+        ("tiny-llama", {"SUPPORTMATRIX_CPU_FAULT": "late_nan"}),
+        ("tiny-llama", {"SUPPORTMATRIX_LONG_GENERATION": "false", "SUPPORTMATRIX_CPU_FAULT": "slow_decode"}),
+    )  # fmt: skip
+    assert [r.verdict for r in (clean, corrupted, nan, slow)] == [Verdict.PASS] * 4
+    # as many tokens as the checkpoint's context leaves after the prompt (256 positions here), at most LONG_NEW_TOKENS
+    assert clean.long.long_generation == LongOutcome.ok and 200 < clean.long.long_new_tokens <= LONG_NEW_TOKENS
+    assert clean.long.long_first_divergence is None and clean.long.long_agreement == [1.0] * 8
+    assert corrupted.long.long_generation in (LongOutcome.collapsed, LongOutcome.diverged), corrupted.long
+    assert corrupted.long.long_first_divergence is not None and corrupted.long.long_first_divergence >= 100
+    assert nan.long.long_generation == LongOutcome.non_finite and slow.long.long_generation == LongOutcome.not_run
+    assert all(r.resources.graphs_compiled == r.resources.backend_graphs == 2 for r in (clean, corrupted, nan))
+    performance = clean.performance  # a PASS has its speed, from the timed generations of that run
+    assert performance.perf_new_tokens == PERF_NEW_TOKENS and performance.perf_iterations == 3
+    assert performance.perf_prompt_tokens and performance.decode_tokens_per_s and performance.decode_tokens_per_s > 0
+    assert 0 < performance.tpot_p50_s <= performance.tpot_p99_s and 0 < performance.ttft_p50_s <= performance.ttft_p99_s
+
+    fast_rate, slow_rate = clean.performance.decode_tokens_per_s, slow.performance.decode_tokens_per_s
+    assert slow_rate and slow_rate < fast_rate * (1 - THROUGHPUT_NOISE_BAND) and slow.performance.tpot_p50_s >= 0.02
+    org, tag = f"speed{uuid.uuid4().hex[:8]}", uuid.uuid4().hex[:6]
+    versions = [f"fast-{tag}", f"slow-{tag}"]
+    with session_scope() as session:
+        model = ResolvedModel(model_id=f"{org}/tiny-llama", sha="f" * 40, gated=False, pipeline_tag=None)
+        for version, report in zip(versions, (clean, slow), strict=True):
+            runtime = RuntimeInfo(backend="cpu", compiler_name="c", compiler_version=version, library_version="5.0")
+            [sub] = submit(session, model, None, [runtime])
+            session.flush()
+            acquire_lease(session, sub.job.id, "tiers", get_settings())
+            assert finish(session, sub.job.id, "tiers", report.model_copy(update={"runtime": runtime}))
+    with session_scope() as session:
+        [slower] = diff(session, "compiler", *versions).slower
+    assert slower.model_id == model.model_id and slower.ratio < 1 - THROUGHPUT_NOISE_BAND
+    body = api.get("/results/diff", params={"from": versions[0], "to": versions[1]}).json()
+    assert [s["model_id"] for s in body["slower"]] == [model.model_id]
+    page = api.get("/changes", params={"from": versions[0], "to": versions[1]}).text
+    assert 'id="slower"' in page and model.model_id in page.split('id="slower"')[1]
+    [record] = api.get("/results", params={"model_id": model.model_id, "compiler": versions[0]}).json()["items"]
+    assert record["decode_tokens_per_s"] == fast_rate and record["long_generation"] == "ok"
+    assert record["long_agreement"] == [1.0] * 8 and record["tpot_p99_s"] > 0
+
+
+def test_benign_bf16_runs_of_the_fixtures_are_not_flagged_by_the_long_check(tiny_models: Path) -> None:
+    """bf16 reorders near ties late in a long generation: the fixtures' architectures (dense, MoE, GPT-2 with its
+    learned positions), one core each, keep their 32-token PASS and a long generation that is ok, whatever their first
+    divergence (Mixtral's is ok too: tests/test_sharding.py, over 2 ranks in bf16)."""
+    bf16 = {"SUPPORTMATRIX_CPU_DTYPE": "bfloat16", "SUPPORTMATRIX_PERF_ITERATIONS": "0"}
+    reports = runs(tiny_models, *((name, bf16) for name in ("tiny-qwen3", "tiny-gpt2", "tiny-qwen3-moe")))
+    assert [(r.verdict, r.long.long_generation) for r in reports] == [(Verdict.PASS, LongOutcome.ok)] * 3, [
+        r.long.long_reason for r in reports
+    ]
+
+
+def test_the_long_rule_reads_windows_of_its_text() -> None:
+    """The rule alone: a late benign divergence is ok, a window the reference finds implausible is diverged, a
+    loop the reference does not show is collapsed, a NaN non-finite."""
+    tol = LongTolerances()
+    reference = list(range(256))
+    late = [*reference[:200], *range(1000, 1056)]
+    plausible = [-2.0] * 256
+    assert long_outcome(late, reference, plausible, plausible, True, tol).long_generation == LongOutcome.ok
+    garbled = [-2.0] * 120 + [-5.0] * 136
+    found = long_outcome(late, reference, garbled, plausible, True, tol)
+    assert found.long_generation == LongOutcome.diverged and found.long_loglik_drop[-1] == 3.0
+    looped = [*reference[:200], *([7, 8, 9, 10] * 14)]
+    assert long_outcome(looped, reference, plausible, plausible, True, tol).long_generation == LongOutcome.collapsed
+    assert repetition([7, 8, 9, 10] * 8, 4) > 0.8 and repetition(reference[:32], 4) == 0.0
+    assert (
+        long_outcome(reference, reference, plausible, plausible, False, tol).long_generation == LongOutcome.non_finite
+    )
