@@ -129,6 +129,9 @@ class Settings(BaseSettings):
     # counted in Redis so that the limit holds across API processes.
     api_rate_limit: int = Field(60, ge=1, description="write requests per token per window")
     api_rate_window_s: int = Field(60, ge=1)
+    # Public reads that scan (a diff's pages, the /changes page): per client address per window.
+    api_scan_rate_limit: int = Field(120, ge=1, description="reads that scan per client address per window")
+    diff_page_cells: int = Field(500, ge=1, description="cells of the newer version a diff page compares")
     # Submissions wait on the Hub: each API process runs at most api_hub_lookups of them at once, in threads
     # of their own; one that finds no free slot within api_hub_wait_s is answered 503. Every Hub call the API
     # makes gives up after hub_timeout_s; model_info answers are kept hub_info_cache_s per (model, revision).

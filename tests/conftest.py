@@ -168,7 +168,7 @@ def hub(tiny_models: Path) -> Iterator[Any]:
 
     standin = HubStandin(port=HUB_PORT, token=HUB_TOKEN, upload_dir=RUN_DIR / "hub-uploads")
     # One org per test module that submits jobs, so that de-duplication never links two modules' jobs.
-    for org in ("org", "pin", "host", "refs", "stage"):
+    for org in ("org", "pin", "host", "refs", "stage", "auth"):
         standin.add_dir(tiny_models, org=org)
     standin.start()
     yield standin

@@ -53,6 +53,28 @@ def test_writes_without_a_token_are_401_with_a_bearer_challenge_and_reads_stay_p
     assert anonymous.get("/jobs").status_code == 200 and anonymous.get("/results").status_code == 200
 
 
+def test_a_submit_token_cancels_only_its_own_jobs_and_an_admin_token_any(anonymous: TestClient) -> None:
+    (alice, alice_token), (_, bob_token), (_, admin_token) = (
+        new_token(s) for s in (Scope.submit,) * 2 + (Scope.admin,)
+    )
+    [job] = anonymous.post("/jobs", json={"model_id": "auth/tiny-gpt2"}, headers=bearer(alice_token)).json()["jobs"]
+    assert job["created"] and job["submitted_by"] == alice
+    # the same test asked for by another token is still alice's job
+    again = anonymous.post("/jobs", json={"model_id": "auth/tiny-gpt2"}, headers=bearer(bob_token))
+    assert again.status_code == 200 and again.json()["jobs"][0]["submitted_by"] == alice
+    refused = anonymous.delete(f"/jobs/{job['id']}", headers=bearer(bob_token))
+    assert refused.status_code == 403
+    assert refused.json()["detail"] == (
+        f"job {job['id']} was submitted by token {alice!r}; a submit token cancels only the jobs it submitted "
+        "(an admin token cancels any)"
+    )
+    assert anonymous.get(f"/jobs/{job['id']}").json()["state"] != "cancelled"
+    assert anonymous.delete(f"/jobs/{job['id']}", headers=bearer(alice_token)).json()["state"] == "cancelled"
+    [bobs] = anonymous.post("/jobs", json={"model_id": "auth/tiny-llama"}, headers=bearer(bob_token)).json()["jobs"]
+    cancelled = anonymous.delete(f"/jobs/{bobs['id']}", headers=bearer(admin_token))
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+
+
 def test_an_unknown_or_revoked_token_is_401_invalid_token(anonymous: TestClient) -> None:
     name, token = new_token(Scope.submit)
     assert anonymous.delete(MISSING_JOB, headers=bearer(token)).status_code == 404

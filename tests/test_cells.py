@@ -60,3 +60,48 @@ def test_the_diff_endpoint_over_compilers_and_library_versions(api: Any) -> None
     assert {e["model_id"] for e in by_library["regressed"]} == {"diffl/crash", "diffl/regress"}
     assert api.get("/results/diff", params={"from": "9.0+a"}).status_code == 422  # "to" is required
     assert api.get("/results/diff", params={"from": "x y", "to": "z"}).status_code == 422
+
+
+def test_a_diff_pages_through_the_newer_versions_cells_and_scanning_reads_are_rate_limited(api: Any) -> None:
+    with new_session() as session:
+        history(session, runtime("9.4+e", "5.24.0"), runtime("9.5+f", "5.24.0"), "diffp")
+    versions = {"from": "9.4+e", "to": "9.5+f"}
+    whole = api.get("/results/diff", params=versions).json()
+    assert whole["cells_compared"] == 6 and whole["next_cursor"] is None
+    pages, params = [], {**versions, "limit": 4}
+    while True:
+        pages.append(api.get("/results/diff", params=params).json())
+        if not pages[-1]["next_cursor"]:
+            break
+        params["cursor"] = pages[-1]["next_cursor"]
+    assert [p["cells_compared"] for p in pages] == [4, 2]  # at most limit cells a page, each once
+    for field in ("regressed", "fixed", "flaky", "changed"):
+        assert sorted(e["model_id"] for p in pages for e in p[field]) == sorted(e["model_id"] for e in whole[field])
+    # the /changes page shows one page and links the next
+    html = api.get("/changes", params={**versions}).text
+    assert "among the" not in html and 'id="next-page"' not in html
+    assert pages[0]["next_cursor"].startswith("diffp/") and pages[0]["next_cursor"].count(",") == 2
+    for bad in ("not-a-cursor", "a/b,text-generation", "a/b,,1.0", "a/b,t,1,x"):
+        refused = api.get("/results/diff", params={**versions, "cursor": bad})
+        assert refused.status_code == 422 and "cursor" in str(refused.json()["detail"])
+
+
+def test_reads_that_scan_are_rate_limited_per_client(api: Any) -> None:
+    import redis
+
+    from services.api.deps import get_scan_limiter
+    from services.api.ratelimit import RateLimiter
+    from shared.settings import get_settings
+
+    redis.Redis.from_url(get_settings().redis_url).delete("supportmatrix:rate:scan:testclient")  # earlier tests' reads
+    limiter = RateLimiter(get_settings().redis_url, limit=2, window_s=60)
+    api.app.dependency_overrides[get_scan_limiter] = lambda: limiter
+    try:
+        statuses = [api.get(path, params={"from": "9.4+e", "to": "9.5+f"}) for path in ("/results/diff", "/changes")]
+        refused = api.get("/results/diff", params={"from": "9.4+e", "to": "9.5+f"})
+        assert [r.status_code for r in statuses] == [200, 200] and refused.status_code == 429
+        assert refused.json()["detail"].startswith("testclient made its 2 reads that scan (diffs) of the last 60 s")
+        assert 1 <= int(refused.headers["retry-after"]) <= 60
+        assert api.get("/results", params={"limit": 1}).status_code == 200  # a page of rows is not a scan
+    finally:
+        api.app.dependency_overrides.pop(get_scan_limiter, None)

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import httpx
 import psutil
 import pytest
+import redis
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
@@ -508,21 +509,75 @@ def test_a_job_longer_than_the_visibility_timeout_runs_once(stack: Stack, worker
         second = workers("f-vis-2", **short)
         stack.wait_serving(second)
         second.wait_logged(f"supportmatrix.run_job[job-{job_id}] received", timeout=30)
-        second.wait_logged(f"supportmatrix.run_job[job-{job_id}] retry", timeout=30)  # met the live lease
+        # it met the live lease and ended there: no retry, no new message
+        second.wait_logged(f"supportmatrix.run_job[job-{job_id}] succeeded", timeout=30)
     [job] = stack.wait_final([job_id])
     assert_ended_once(stack, job)
     assert job.attempts == 1 and accelerator_attempts(job)[0].owner.startswith("f-vis-1@")
     assert runner_starts(first, job_id, "accelerator") + runner_starts(second, job_id, "accelerator") == 1
-    # The copy waited for the lease as long as the job ran, and then found it done: never failed, never dropped.
     task = f"supportmatrix.run_job[job-{job_id}]"
-    deadline = time.monotonic() + 4 * HEARTBEAT_S + 10  # its last retry is due within two heartbeats
-    while True:
-        lines = [line for line in (first.text() + second.text()).splitlines() if task in line]
-        assert not [line for line in lines if f"{task} raised" in line], lines
-        if any(f"{task} succeeded" in line and "not ours" in line for line in lines):
-            break
-        assert time.monotonic() < deadline, f"the copy never found the job done: {lines}"
-        time.sleep(0.3)
+    lines = [line for line in second.text().splitlines() if task in line]
+    assert not [line for line in lines if " retry" in line or " raised" in line], lines
+    assert any("holds the live lease of the accelerator stage; this delivery ends" in line for line in lines), lines
+
+
+def test_a_backlog_behind_a_busy_worker_holds_one_message_per_job(stack: Stack, workers: Any) -> None:
+    """1,000 jobs wait behind one busy worker for several reconciler periods: Redis holds one message per job,
+    however long they wait; when the waiting messages are lost, each job is sent again exactly once."""
+    from shared.jobs.broker import deliveries, enqueue_job
+
+    worker = workers("f-backlog")
+    stack.wait_serving(worker)
+    first = stack.submit(f"{ORG}/tiny-gpt2")
+    runner = stage_runner(worker, first, "accelerator")
+    client = redis.Redis.from_url(stack.settings.redis_url)
+    with frozen(runner):  # the worker is busy; its heartbeats keep the lease live
+        with stack.session() as session:
+            busy = session.get(Job, first)
+            assert busy is not None
+            same = {c: getattr(busy, c) for c in ("sha", "task", "config_hash", "cores", "queue")}
+            rows = [{"model_id": f"{ORG}/backlog-{i}", "state": JobState.queued, "created_at": utcnow(), **same,
+                     **busy.runtime().model_dump()} for i in range(999)]  # fmt: skip
+            backlog = list(session.scalars(sa.insert(Job).returning(Job.id), rows))
+            session.commit()
+        queue = busy.queue
+        for job_id in backlog:  # as commit_and_enqueue sends them
+            enqueue_job(stack.producer, job_id, queue)
+        ours = {f"job-{i}" for i in backlog}
+
+        def held() -> tuple[int, set[str], set[str]]:
+            found = deliveries(stack.settings.redis_url, [queue])
+            return client.llen(queue), set(found.waiting), set(found.taken_s_ago) & (ours | {f"job-{first}"})
+
+        def resends() -> list[int]:
+            with stack.session() as session:
+                return list(session.scalars(sa.select(Job.resends).where(Job.id.in_(backlog))))
+
+        for _ in range(3):  # three reconciler periods past the queue grace, counted each period
+            time.sleep(RECONCILE_S)
+        time.sleep(GRACE_S)
+        for _ in range(3):
+            assert held() == (999, ours, {f"job-{first}"})  # one message per job: the running one's is taken
+            time.sleep(RECONCILE_S)
+        assert set(resends()) == {0}
+        client.delete(queue)  # the waiting messages are lost
+        deadline = time.monotonic() + GRACE_S + 2 * RECONCILE_S + STARTUP_S
+        while client.llen(queue) < 999 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for _ in range(3):  # sent again once, and only once
+            time.sleep(RECONCILE_S)
+            assert held() == (999, ours, {f"job-{first}"})
+        assert set(resends()) == {1}
+        with stack.session() as session:  # the backlog is withdrawn before the worker is free again
+            session.execute(sa.update(Job).where(Job.id.in_(backlog)).values(state=JobState.cancelled))
+            session.commit()
+        client.delete(queue)
+    [job] = stack.wait_final([first])
+    assert_ended_once(stack, job)
+    with stack.session() as session:
+        states = set(session.scalars(sa.select(Job.state).where(Job.id.in_(backlog))))
+        written = session.scalar(sa.select(sa.func.count()).select_from(Result).where(Result.job_id.in_(backlog)))
+    assert states == {JobState.cancelled} and written == 0
 
 
 @pytest.mark.parametrize("behind", [False, True], ids=["alone", "with-a-job-behind"])

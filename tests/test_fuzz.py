@@ -3,7 +3,9 @@
 The fuzzed app is a fresh `create_app()` whose state goes nowhere a worker looks: its database is a scratch
 SQLite file, its producer Celery's in-memory transport (a message sent there is never delivered), and Hub
 look-ups go to the suite's stand-in, where random model ids do not exist. So a fuzzed `POST /jobs` or
-`POST /sweeps` can create rows, but none that the suite's workers or reconciler would ever run.
+`POST /sweeps` can create rows, but none that the suite's workers or reconciler would ever run. The database is
+seeded with rows of every verdict and every error class under two compiler and two library versions, and a
+sweep's ranked views (``tests.history.seed_every_outcome``): errors that only data can cause have data to meet.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from sqlalchemy.orm import Session
 
-from services.api.deps import get_rate_limiter, get_session
+from services.api.deps import get_rate_limiter, get_scan_limiter, get_session
 from services.api.main import create_app
 from services.api.ratelimit import RateLimiter
 from shared.auth.tokens import create_token
-from shared.contracts.enums import Scope
+from shared.contracts.enums import ErrorClass, Scope
 from shared.db.engine import make_engine
 from shared.db.migrate import upgrade
 from shared.jobs.broker import get_producer, make_celery
 from shared.settings import Settings, get_settings
+from tests.history import SEED_ROWS, seed_every_outcome
 
 # The schema is read at import (schemathesis parametrizes at collection); the app's state is set up below.
 app = create_app()
@@ -38,6 +41,7 @@ def token(hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     upgrade(url)
     engine = make_engine(url)
     with Session(engine) as session:
+        assert seed_every_outcome(session) == 4 * (len(SEED_ROWS) + len(ErrorClass))
         token = create_token(session, "fuzz", Scope.admin)
         session.commit()
 
@@ -52,6 +56,7 @@ def token(hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         get_session: scratch_session,
         get_producer: lambda: producer,
         get_rate_limiter: lambda: limiter,
+        get_scan_limiter: lambda: limiter,
     }
     yield token
     app.dependency_overrides.clear()

@@ -16,7 +16,7 @@ from shared.db.models import Job, Result, Worker, utcnow
 from shared.hub.client import ResolvedModel
 from shared.jobs.attempts import attempts
 from shared.jobs.lease import Claim, acquire_lease, heartbeat, release_for_verdict
-from shared.jobs.outcomes import JobFinished, JobNotFound, cancel, finish, settle
+from shared.jobs.outcomes import JobFinished, JobNotFound, NotYourJob, cancel, finish, settle
 from shared.jobs.runtimes import NoRuntime, UnknownCompiler, plan_runtimes, served_runtimes
 from shared.jobs.submission import submit
 from shared.settings import Settings
@@ -29,6 +29,7 @@ RUNTIME = RuntimeInfo(
     library_version="5.24.0",
     torch_version="2.13.0+cpu",
 )
+ADMIN = "an-admin-token"
 MODEL = ResolvedModel(model_id="org/m", sha="a" * 40, gated=False, pipeline_tag="text-generation")
 
 
@@ -78,15 +79,15 @@ def test_a_stale_lease_is_taken_over_until_attempts_run_out(session: Session, se
 def test_cancelled_job_is_never_run_or_written(session: Session, settings: Settings) -> None:
     job = new_job(session)
     assert acquire_lease(session, job.id, "w1", settings)[0] == Claim.taken
-    cancel(session, job.id)
+    cancel(session, job.id, by=ADMIN, any_job=True)
     session.commit()
     assert heartbeat(session, job.id, "w1") is False
     assert finish(session, job.id, "w1", report()) is False
     queued = new_job(session, force=True)
-    cancel(session, queued.id)
+    cancel(session, queued.id, by=ADMIN, any_job=True)
     assert acquire_lease(session, queued.id, "w1", settings)[0] == Claim.gone
     with pytest.raises(JobNotFound):
-        cancel(session, 12345)
+        cancel(session, 12345, by=ADMIN, any_job=True)
 
 
 def test_the_verdict_stage_is_taken_from_judging_after_the_cores_are_released(
@@ -130,6 +131,17 @@ def test_the_verdict_stage_is_taken_from_judging_after_the_cores_are_released(
     assert session.scalar(sa.select(sa.func.count()).select_from(Result).where(Result.job_id == job.id)) == 1
 
 
+def test_a_submit_token_cancels_only_its_own_jobs_and_an_admin_any(session: Session) -> None:
+    [mine] = submit(session, MODEL, None, [RUNTIME], submitted_by="alice")
+    [scheduled] = submit(session, MODEL, None, [RUNTIME], cores=2)  # a scheduled sweep's: no token
+    for job, owner in ((mine.job, "token 'alice'"), (scheduled.job, "a scheduled sweep")):
+        with pytest.raises(NotYourJob, match=f"submitted by {owner}; a submit token cancels only the jobs it"):
+            cancel(session, job.id, by="bob", any_job=False)
+        assert job.state == JobState.queued
+    assert cancel(session, mine.job.id, by="alice", any_job=False).state == JobState.cancelled
+    assert cancel(session, scheduled.job.id, by=ADMIN, any_job=True).state == JobState.cancelled
+
+
 def test_settle_ends_a_queued_job_without_a_lease(session: Session, settings: Settings) -> None:
     job = new_job(session)
     settle(session, job, Verdict.SKIPPED, ErrorClass.too_large, "needs 32 cores")
@@ -146,7 +158,7 @@ def test_finished_jobs_cannot_be_cancelled(session: Session, settings: Settings)
     finish(session, job.id, "w1", report(Verdict.ERROR, ErrorClass.compile))
     assert session.get(Job, job.id, populate_existing=True).state == JobState.failed
     with pytest.raises(JobFinished):
-        cancel(session, job.id)
+        cancel(session, job.id, by=ADMIN, any_job=True)
 
 
 def test_submission_deduplicates_and_the_database_refuses_a_second_active_job(session: Session) -> None:

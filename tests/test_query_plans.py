@@ -147,3 +147,16 @@ def test_a_submission_finds_the_known_models_job_through_the_model_index(big: Bi
             [submitted] = submit(session, model, None, [job.runtime()], task=job.task, cores=job.cores)
         assert not submitted.created and submitted.job.model_id == job.model_id
     assert_read_through_indexes(big.engine, statements)
+
+
+def test_a_diff_page_and_its_next_read_only_the_pages_cells(big: Big, client: TestClient) -> None:
+    """GET /results/diff between two compiler versions of 10 000 models: a page of 200 cells, then the next, each read
+    through the version-and-key index; neither reads either version whole."""
+    h = big.history
+    old, new = h.compiler(0), h.newest_compiler
+    params = {"from": old, "to": new, "limit": 200}
+    with issued(big.engine) as statements:
+        first = client.get("/results/diff", params=params).json()
+        second = client.get("/results/diff", params={**params, "cursor": first["next_cursor"]}).json()
+    assert first["cells_compared"] == second["cells_compared"] == 200 and second["next_cursor"] > first["next_cursor"]
+    assert_read_through_indexes(big.engine, statements)

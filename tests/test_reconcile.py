@@ -13,6 +13,7 @@ from shared.contracts.enums import ErrorClass, JobState, Stage, SweepState
 from shared.contracts.run import RuntimeInfo
 from shared.db.models import Job, Result, Sweep, utcnow
 from shared.hub.client import ResolvedModel
+from shared.jobs.queues import Deliveries
 from shared.jobs.reconcile import Resend, claim_sweep, mark_queue_live, reconcile
 from shared.jobs.submission import submit
 from shared.settings import Settings
@@ -60,6 +61,31 @@ def test_lost_messages_are_sent_again_and_live_work_is_left_alone(session: Sessi
     session.commit()
     # re-sent just now: not again until the grace passes once more
     assert reconcile(session, settings).resend == [Resend(lapsed.id, queue, Stage.accelerator)]
+
+
+def test_a_job_whose_message_the_broker_still_holds_is_not_sent_again(session: Session, settings: Settings) -> None:
+    queue, verdicts = "supportmatrix.jobs.cpu.c-1.c1", "supportmatrix.verdict.h"
+    mark_queue_live(session, queue)
+    mark_queue_live(session, verdicts)
+    behind = job(session, "behind", age_s=120)  # waits behind a busy worker: its message is in the queue
+    taken = job(session, "taken", age_s=120)  # a live worker just took it, and claims it now
+    held_long = job(session, "held-long", age_s=120)  # taken long ago, never acknowledged: that worker died
+    lost = job(session, "lost", age_s=120)  # its message is gone
+    lapsed_copy = job(session, "lapsed-copy", 300, state=JobState.running, lease_owner="w@h:1", heartbeat_at=ago(40))
+    lapsed_dead = job(session, "lapsed-dead", 300, state=JobState.running, lease_owner="w@h:2", heartbeat_at=ago(40))
+    judging = job(session, "judging", 300, state=JobState.judging, verdict_queue=verdicts, enqueued_at=ago(90))
+    held = Deliveries(
+        waiting=frozenset({f"job-{behind.id}", f"job-{lapsed_copy.id}", f"verdict-{judging.id}"}),
+        taken_s_ago={f"job-{taken.id}": 2.0, f"job-{held_long.id}": 31.0, f"job-{lapsed_dead.id}": 300.0},
+    )
+    asked: list[set[str]] = []
+    found = reconcile(session, settings, lambda queues: asked.append(set(queues)) or held)
+    assert asked == [{queue, verdicts}]  # one read of the broker, for the queues of the jobs it found
+    assert [r.job_id for r in found.resend] == [held_long.id, lost.id, lapsed_dead.id]
+    resends = dict(session.execute(sa.select(Job.id, Job.resends)).tuples().all())
+    assert [resends[j.id] for j in (behind, taken, held_long, lost, lapsed_copy, lapsed_dead, judging)] == [
+        0, 0, 1, 1, 0, 1, 0,
+    ]  # fmt: skip
 
 
 def test_jobs_of_a_queue_nobody_serves_end_no_worker_once(session: Session, settings: Settings) -> None:

@@ -96,6 +96,7 @@ def test_a_sweep_enqueues_what_people_use_once_per_compiler_version(
     for model in models:
         assert sorted(s.job.compiler_version for s in queued if s.job.model_id == model) == list(COMPILERS)
     assert {s.job.task for s in queued if s.job.model_id == "sweep/minilm"} == {"feature-extraction"}
+    assert {s.job.submitted_by for s in queued} == {None}  # the schedule's: no token submitted them
     jobs = sweep_jobs(session)
     for model, reason in (("sweep/gated-one", "gated"), ("sweep/custom-code", "remote_code")):
         assert [(j.state.value, j.error_class.value) for j in jobs[model]] == [("done", reason)] * 2
@@ -215,6 +216,7 @@ def test_post_sweeps_starts_one_and_get_shows_its_progress(
 ) -> None:
     started = api.post("/sweeps")
     assert started.status_code == 202 and started.json()["state"] == SweepState.queued
+    assert started.json()["submitted_by"].startswith("suite-")  # the suite's admin token
     sweep_id = started.json()["id"]
     deadline = time.monotonic() + 180
     body: dict[str, Any] = {}
@@ -226,6 +228,8 @@ def test_post_sweeps_starts_one_and_get_shows_its_progress(
     assert body["state"] == SweepState.done, (RUN_DIR / "control.log").read_text()[-2000:]
     assert [(e["model_id"], e["view"], e["rank"]) for e in body["entries"]][:1] == [("sweep/minilm", "trending", 1)]
     assert body["jobs"] == {"done": 1} and body["verdicts"] == {"PASS": 1}
+    [job_id] = {e["job_id"] for e in body["entries"] if e["job_id"]}
+    assert api.get(f"/jobs/{job_id}").json()["submitted_by"] == started.json()["submitted_by"]  # the sweep's token
     assert api.get("/sweeps/999999").status_code == 404
     # the results page shows the sweep's views, in rank order
     trending = api.get("/results", params={"view": "trending", "task": "feature-extraction"}).json()["items"]

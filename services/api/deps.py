@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Annotated
 
 from celery import Celery
-from fastapi import Depends
+from fastapi import Depends, HTTPException, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import Field
 from sqlalchemy.orm import Session
 
 from services.api.errors import forbidden, rate_limited, unauthorized
@@ -18,6 +20,7 @@ from shared.auth.tokens import Caller, authenticate
 from shared.contracts.enums import Scope
 from shared.db.engine import new_session
 from shared.jobs.broker import get_producer
+from shared.results.cells import DIFF_CURSOR_PATTERN, DiffKey, decode_cursor
 from shared.settings import Settings, get_settings
 
 
@@ -30,6 +33,12 @@ def get_session() -> Iterator[Session]:
 def get_rate_limiter() -> RateLimiter:
     settings = get_settings()
     return RateLimiter(settings.redis_url, settings.api_rate_limit, settings.api_rate_window_s)
+
+
+@lru_cache
+def get_scan_limiter() -> RateLimiter:
+    settings = get_settings()
+    return RateLimiter(settings.redis_url, settings.api_scan_rate_limit, settings.api_rate_window_s)
 
 
 @lru_cache
@@ -79,5 +88,45 @@ def _needs(scope: Scope) -> Callable[[Caller], Awaitable[Caller]]:
     return check
 
 
+def scan_allowance(request: Request, limiter: Annotated[RateLimiter, Depends(get_scan_limiter)]) -> None:
+    """A public read whose work grows with the data (a diff's page): each client address may make
+    api_scan_rate_limit of them per window, counted in Redis like the write routes' limit; 429 past it."""
+    client = request.client.host if request.client else "unknown"
+    wait_s = limiter.wait_s(f"scan:{client}")
+    if wait_s:
+        spent = f"{client} made its {{limit}} reads that scan (diffs)"
+        raise rate_limited(wait_s, limiter.limit, limiter.window_s, spent)
+
+
+ScanDep = Annotated[None, Depends(scan_allowance)]
+
+
+# The cursor's pattern has look-aheads (the Hub's grammar), which pydantic's regex engine lacks: it is published,
+# and decoding checks it.
+DiffCursor = Annotated[str, Field(max_length=400, json_schema_extra={"pattern": DIFF_CURSOR_PATTERN})]
+
+
+@dataclass(frozen=True)
+class DiffPage:
+    after: DiffKey | None  # the cursor's key: this page starts after it
+    limit: int
+
+
+def diff_page(
+    settings: SettingsDep,
+    cursor: Annotated[DiffCursor | None, Query(description="next_cursor of the previous page")] = None,
+    limit: Annotated[int | None, Query(ge=1, le=10000, description="cells of the newer version per page")] = None,
+) -> DiffPage:
+    """A diff's page: after the cursor, at most ``limit`` cells — never more than SUPPORTMATRIX_DIFF_PAGE_CELLS
+    (and page_limit_max)."""
+    try:
+        after = decode_cursor(cursor) if cursor is not None else None
+    except ValueError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
+    cap = min(settings.diff_page_cells, settings.page_limit_max)
+    return DiffPage(after, min(limit or cap, cap))
+
+
+DiffPageDep = Annotated[DiffPage, Depends(diff_page)]
 SubmitterDep = Annotated[Caller, Depends(_needs(Scope.submit))]
 AdminDep = Annotated[Caller, Depends(_needs(Scope.admin))]

@@ -28,9 +28,11 @@ def forbidden(needed: Scope, what: str) -> HTTPException:
     )
 
 
-def rate_limited(wait_s: int, limit: int, window_s: int) -> HTTPException:
+def rate_limited(
+    wait_s: int, limit: int, window_s: int, spent: str = "this token made its {limit} write requests"
+) -> HTTPException:
     return HTTPException(
         status.HTTP_429_TOO_MANY_REQUESTS,
-        f"this token made its {limit} write requests of the last {window_s} s; retry in {wait_s} s",
+        f"{spent.format(limit=limit)} of the last {window_s} s; retry in {wait_s} s",
         headers={"Retry-After": str(wait_s)},
     )

@@ -90,6 +90,7 @@ class JobOut(RuntimeInfo):
     task: str
     cores: int
     queue: str
+    submitted_by: str | None = Field(description="the API token that submitted it (or its sweep); null: scheduled")
     state: JobState
     attempts: int = Field(description="deliveries of the accelerator stage")
     verdict_queue: str | None = Field(description="the verdict queue of the host that ran the accelerator stage")

@@ -75,10 +75,22 @@ class ApiClient:
         return self.request("GET", "/results", params={**params, "format": format})
 
     def diff(self, old: str, new: str, axis: str) -> CellDiff:
-        response = self.request("GET", "/results/diff", params={"from": old, "to": new, "axis": axis})
+        """The whole diff: every page, one after another, as one."""
         from shared.results.cells import CellDiff
 
-        return CellDiff.model_validate(_by_field_name(response.json()))
+        params = {"from": old, "to": new, "axis": axis}
+        pages = [CellDiff.model_validate(_by_field_name(self.request("GET", "/results/diff", params=params).json()))]
+        while pages[-1].next_cursor:
+            params["cursor"] = pages[-1].next_cursor
+            pages.append(
+                CellDiff.model_validate(_by_field_name(self.request("GET", "/results/diff", params=params).json()))
+            )
+        whole = pages[0].model_copy(
+            update={"next_cursor": None, "cells_compared": sum(p.cells_compared for p in pages)}
+        )
+        for field in ("regressed", "fixed", "flaky", "changed", "slower"):
+            setattr(whole, field, [item for page in pages for item in getattr(page, field)])
+        return whole
 
     def workers(self) -> list[WorkerOut]:
         response = self.request("GET", "/workers")

@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +35,7 @@ from shared.hub.client import HubUnavailable
 from shared.jobs.broker import (
     EXPORT_WINDOW_S,
     PendingExports,
+    deliveries,
     enqueue_job,
     enqueue_verdict,
     request_export,
@@ -89,21 +91,24 @@ def durably(settings: Settings, work: Callable[[Session], Result]) -> Result:
             pause = min(pause * 2, settings.heartbeat_interval_s)
 
 
-def claim(task: Any, job_id: int, owner: str, settings: Settings, stage: Stage) -> Job | None:
-    """The job, if this delivery takes the stage's lease; None when the message is spent. A lease held
-    by a live owner, or a database that does not answer, is retried later: the message is never dropped
-    while the job is unfinished (a dead owner's lease lapses, and a retry takes over)."""
-    retry_in = max(2 * settings.heartbeat_interval_s, 1.0)
+def claim(task: Any, job_id: int, owner: str, settings: Settings, stage: Stage) -> tuple[Job | None, str]:
+    """The job, if this delivery takes the stage's lease; else None and why the message is spent. A copy that
+    meets a lease held by a live owner ends (a redelivery, a resend): looping on retries would multiply the
+    messages of a long run; if that owner dies, its lease lapses and the reconciler sends the job again. A
+    database that does not answer is retried later, so a message is never dropped unread."""
     try:
         with session_scope() as session:
             outcome, job = acquire_lease(session, job_id, owner, settings, stage)
             if outcome == Claim.held and (dead := dead_local_owner(job, settings)):
                 outcome, job = acquire_lease(session, job_id, owner, settings, stage, dead_owner=dead)
+            holder = job.lease_owner if job is not None else None
     except DB_ERRORS as exc:
-        raise task.retry(countdown=retry_in, exc=exc) from exc
+        raise task.retry(countdown=max(2 * settings.heartbeat_interval_s, 1.0), exc=exc) from exc
+    if outcome == Claim.taken:
+        return job, ""
     if outcome == Claim.held:
-        raise task.retry(countdown=retry_in)
-    return job if outcome == Claim.taken else None
+        return None, f"a copy: {holder} holds the live lease of the {stage.value} stage; this delivery ends"
+    return None, f"not ours: finished, cancelled or past the {stage.value} stage"
 
 
 def artifact_dir(settings: Settings, job_id: int) -> Path:
@@ -153,9 +158,9 @@ def run_job(self: Any, job_id: int) -> str:
     """The accelerator stage, on this worker's core group."""
     settings = get_settings()
     owner = lease_owner(self.request.hostname, settings)
-    job = claim(self, job_id, owner, settings, Stage.accelerator)
+    job, spent = claim(self, job_id, owner, settings, Stage.accelerator)
     if job is None:
-        return "not ours: finished, cancelled or past this stage"
+        return spent
     group = registry.core_group()
     artifacts = Artifacts(artifact_dir(settings, job_id))
     shutil.rmtree(artifacts.root, ignore_errors=True)  # a previous, lost attempt's files
@@ -182,9 +187,9 @@ def judge_job(self: Any, job_id: int) -> str:
     """The verdict stage, on this host's CPUs, from the accelerator stage's artifacts (never rerunning it)."""
     settings = get_settings()
     owner = lease_owner(self.request.hostname, settings)
-    job = claim(self, job_id, owner, settings, Stage.verdict)
+    job, spent = claim(self, job_id, owner, settings, Stage.verdict)
     if job is None:
-        return "not ours: finished, cancelled or judged elsewhere"
+        return spent
     artifacts = Artifacts(artifact_dir(settings, job_id))
     if not artifacts.accelerator.exists():
         message = f"the accelerator stage's artifacts are missing from {artifacts.root} on {settings.host_name}"
@@ -298,7 +303,7 @@ def reconcile() -> str:
     """Re-send what no message will move; end what no worker will take (see shared.jobs.reconcile)."""
     settings = get_settings()
     with session_scope() as session:
-        found = reconcile_jobs(session, settings)
+        found = reconcile_jobs(session, settings, partial(deliveries, settings.redis_url))
     for resend in found.resend:
         if resend.stage == Stage.verdict:
             enqueue_verdict(app, resend.job_id, resend.queue)

@@ -19,11 +19,11 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import Scope
-from shared.db.models import ApiToken, utcnow
+from shared.db.models import TOKEN_NAME_WIDTH, ApiToken, utcnow
 
 # The prefix lets secret scanners (and people) recognise a leaked token.
 TOKEN_PREFIX = "smx_"
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+NAME_PATTERN = rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{TOKEN_NAME_WIDTH - 1}}}$"
 # How fresh a token's last use is kept. A last use says whether a token is still in use (before revoking it),
 # to the minute; writing it on every request would cost each one a commit (a WAL flush), the write routes'
 # largest fixed cost.

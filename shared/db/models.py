@@ -83,6 +83,8 @@ def columns_mixin(name: str, fields: dict[str, tuple[FieldInfo, bool]], **server
     return type(name, (), columns)
 
 
+TOKEN_NAME_WIDTH = 64  # an API token's name, and the columns that record which token did something
+
 # The library and torch a row ran with (a stored reference depends on these, not on the compiler): NOT NULL, as a
 # job's and a worker's identity (a job settled before any runner said has an empty torch version).
 _RUNTIME = {name: (info, False) for name, info in RuntimeInfo.model_fields.items()}
@@ -119,6 +121,9 @@ class Job(RuntimeIdentity, Base):
     gated: Mapped[bool] = mapped_column(default=False, server_default=sa.false())  # the runner gets HF_TOKEN
     # The repo's own code runs (an allow-listed org's custom_code repo), pinned to the commit it was sized at.
     trust_remote_code: Mapped[bool] = mapped_column(default=False, server_default=sa.false())
+    # The API token that submitted it (its name: names are never reused), or its sweep's; None for the
+    # schedule's sweeps. A submit token cancels only its own jobs.
+    submitted_by: Mapped[str | None] = mapped_column(sa.String(TOKEN_NAME_WIDTH))
     cores: Mapped[int] = mapped_column(default=1)
     queue: Mapped[str] = mapped_column(sa.String(200))
     state: Mapped[JobState] = mapped_column(enum_column(JobState), default=JobState.queued, index=True)
@@ -145,6 +150,9 @@ class Job(RuntimeIdentity, Base):
         # One export file's runs (compiler version, library, library version), newest first, and every other
         # read of a compiler version's rows (tests/test_query_plans.py checks the plans that use it).
         sa.Index("ix_jobs_export_key", "compiler_version", "library", "library_version", "id"),
+        # A diff's page: one version's cells in key order (shared.results.cells.diff), for each axis.
+        sa.Index("ix_jobs_diff_compiler", "compiler_version", "model_id", "task", "library_version"),
+        sa.Index("ix_jobs_diff_library", "library_version", "model_id", "task", "compiler_version"),
         # What /metrics reads at every scrape (bench/metrics_scrape.py measures them at 1 M rows): stage
         # durations of jobs past their accelerator stage, redeliveries and re-sends.
         sa.Index(
@@ -247,6 +255,7 @@ class Sweep(Base):
     # The schedule slot a scheduled sweep belongs to: unique, so a schedule that fires twice adds nothing.
     slot: Mapped[str | None] = mapped_column(sa.String(64), unique=True)
     trigger: Mapped[str] = mapped_column(sa.String(16))  # "schedule" or "api"
+    submitted_by: Mapped[str | None] = mapped_column(sa.String(TOKEN_NAME_WIDTH))  # the API token; None: scheduled
     state: Mapped[SweepState] = mapped_column(enum_column(SweepState, length=16), default=SweepState.queued)
     config: Mapped[dict[str, Any]] = mapped_column(sa.JSON, default=dict)
     error: Mapped[str | None] = mapped_column(sa.Text)
@@ -303,7 +312,7 @@ class ApiToken(Base):
     __tablename__ = "api_tokens"
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    name: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    name: Mapped[str] = mapped_column(sa.String(TOKEN_NAME_WIDTH), unique=True)
     scope: Mapped[Scope] = mapped_column(enum_column(Scope))
     token_hash: Mapped[str] = mapped_column(sa.String(64), unique=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

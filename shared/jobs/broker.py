@@ -2,13 +2,17 @@
 
 Redis only delivers job ids; whether a job runs is decided by its lease in SQL (shared.jobs.lease). So a
 redelivery (visibility timeout, a worker lost mid-job, the reconciler) is harmless: a delivery that finds
-the job finished does nothing, one that finds it under a live lease is retried later (the owner may die),
-and one that finds a dead owner's lease takes the job over.
+the job finished does nothing, one that finds it under a live lease ends too (if that owner dies, its lease
+lapses and the reconciler sends the job again), and one that finds a dead owner's lease takes the job over.
+Every job message carries a stable task id (``job-<id>``, ``verdict-<id>``), so the reconciler can see which
+jobs still have a message in Redis (``deliveries``) and send again only those that have none.
 """
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -17,6 +21,7 @@ from typing import Any
 import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
+from kombu.transport.redis import PRIORITY_STEPS, Channel
 from redis.exceptions import RedisError
 
 from shared.jobs.queues import (
@@ -26,7 +31,9 @@ from shared.jobs.queues import (
     RECONCILE_TASK,
     RUN_JOB_TASK,
     SWEEP_TASK,
+    Deliveries,
     celery_task_id,
+    verdict_task_id,
 )
 from shared.settings import Settings, get_settings
 
@@ -85,7 +92,7 @@ def enqueue_job(producer: Celery, job_id: int, queue: str) -> None:
 
 
 def enqueue_verdict(producer: Celery, job_id: int, queue: str) -> None:
-    producer.send_task(JUDGE_JOB_TASK, args=[job_id], queue=queue)
+    producer.send_task(JUDGE_JOB_TASK, args=[job_id], queue=queue, task_id=verdict_task_id(job_id))
 
 
 def revoke_job(producer: Celery, job_id: int) -> None:
@@ -96,6 +103,31 @@ def revoke_job(producer: Celery, job_id: int) -> None:
 @lru_cache
 def _redis(url: str) -> redis.Redis:
     return redis.Redis.from_url(url)  # one connection pool per process and URL
+
+
+def deliveries(broker_url: str, queues: Collection[str]) -> Deliveries:
+    """The task ids of the messages Redis holds for ``queues``: waiting in each one's lists (kombu's Redis
+    transport keeps one list per priority step), and taken by a worker but not yet acknowledged (its
+    ``unacked`` hash, with when each was taken in ``unacked_index``). One round trip; O(messages) to parse."""
+    client = _redis(broker_url)
+    lists = [queue if step == 0 else f"{queue}{Channel.sep}{step}" for queue in queues for step in PRIORITY_STEPS]
+    with client.pipeline(transaction=False) as step:
+        for key in lists:
+            step.lrange(key, 0, -1)
+        step.hgetall(Channel.unacked_key)
+        step.zrange(Channel.unacked_index_key, 0, -1, withscores=True)
+        *waiting, unacked, taken_at = step.execute()
+    now = time.time()
+    when = dict(taken_at)
+    taken = {}
+    for tag, value in unacked.items():
+        message, _exchange, _routing_key = json.loads(value)
+        taken[_task_id(message)] = now - when.get(tag, now)
+    return Deliveries(waiting=frozenset(_task_id(json.loads(m)) for raw in waiting for m in raw), taken_s_ago=taken)
+
+
+def _task_id(message: dict[str, Any]) -> str:
+    return str(message.get("headers", {}).get("id", ""))
 
 
 def request_export(producer: Celery, job_ids: Collection[int]) -> None:

@@ -22,11 +22,22 @@ class JobFinished(RuntimeError):
     pass
 
 
-def cancel(session: Session, job_id: int) -> Job:
-    """Queued or running → cancelled. The worker that holds a running job sees it and kills its runner."""
+class NotYourJob(PermissionError):
+    pass
+
+
+def cancel(session: Session, job_id: int, by: str, any_job: bool) -> Job:
+    """Queued or running → cancelled, by the token named ``by``: its own job, or any when ``any_job`` (an admin
+    token). The worker that holds a running job sees it and kills its runner."""
     job = session.get(Job, job_id, with_for_update=True)
     if job is None:
         raise JobNotFound(f"job {job_id} does not exist")
+    if not any_job and job.submitted_by != by:
+        owner = f"token {job.submitted_by!r}" if job.submitted_by else "a scheduled sweep"
+        raise NotYourJob(
+            f"job {job_id} was submitted by {owner}; a submit token cancels only the jobs it submitted "
+            "(an admin token cancels any)"
+        )
     if job.state == JobState.cancelled:
         return job
     if job.state in FINISHED_STATES:

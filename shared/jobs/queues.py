@@ -1,9 +1,10 @@
-"""Queue names, defined once. A job's accelerator stage goes to the queue of its compiler version and
-core-group size; its verdict stage to the verdict queue of the host that ran the accelerator stage."""
+"""Queue names and message ids, defined once. A job's accelerator stage goes to the queue of its compiler
+version and core-group size; its verdict stage to the verdict queue of the host that ran the accelerator stage."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 CONTROL_QUEUE = "supportmatrix.control"  # export and sweep tasks: the collector consumes it
 JOB_QUEUE_PREFIX = "supportmatrix.jobs"
@@ -29,3 +30,20 @@ def verdict_queue(host: str) -> str:
 def celery_task_id(job_id: int) -> str:
     """The broker message of a job carries a stable id, so the API can revoke it."""
     return f"job-{job_id}"
+
+
+def verdict_task_id(job_id: int) -> str:
+    return f"verdict-{job_id}"
+
+
+@dataclass(frozen=True)
+class Deliveries:
+    """Which job messages the broker holds, by task id (``shared.jobs.broker.deliveries`` reads them)."""
+
+    waiting: frozenset[str] = frozenset()  # in a queue, not yet taken
+    taken_s_ago: dict[str, float] = field(default_factory=dict)  # taken by a worker, not yet acknowledged
+
+    def holds(self, task_id: str, taken_within_s: float) -> bool:
+        """A message waits, or was taken within ``taken_within_s`` (a live worker claims what it takes at once;
+        an older unacknowledged one belongs to a worker that died holding it)."""
+        return task_id in self.waiting or self.taken_s_ago.get(task_id, taken_within_s + 1) <= taken_within_s

@@ -3,13 +3,18 @@
 A message can be lost (Redis restarted without persistence, a worker killed outright, an enqueue that failed
 after its commit) or never consumed (a queue nobody serves). The reconciler — one instance, run on the locked
 beat scheduler every ``reconcile_every_s`` — finds the jobs and sweeps that no message will ever move and
-says what to re-send; duplicates are harmless, because the lease decides who runs. What no worker will ever
-take ends ERROR(no_worker) with the queue's name.
+says what to re-send. A duplicate would be harmless (the lease decides who runs), but during a long backlog
+re-sending every waiting job each period would grow the queues by the backlog every period: so a job is sent
+again only when the broker holds no message of it (``Deliveries``) — none waiting, and none taken by a live
+worker (one taken longer ago than the lease timeout and still unacknowledged was taken by a worker that died).
+A job whose lease lapsed is sent again unless a copy is already waiting: its own message is the dead owner's.
+What no worker will ever take ends ERROR(no_worker) with the queue's name.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import sqlalchemy as sa
@@ -18,6 +23,7 @@ from sqlalchemy.orm import Session
 from shared.contracts.enums import ErrorClass, JobState, Stage, SweepState, Verdict
 from shared.db.models import Job, QueueSeen, Sweep, utcnow
 from shared.jobs.outcomes import close_unattended, job_report
+from shared.jobs.queues import Deliveries, celery_task_id, verdict_task_id
 from shared.settings import Settings
 
 
@@ -49,8 +55,14 @@ def mark_queue_live(session: Session, queue: str, now: dt.datetime | None = None
         session.merge(QueueSeen(queue=queue, last_live_at=now))
 
 
-def reconcile(session: Session, settings: Settings, now: dt.datetime | None = None) -> Reconciled:
-    """What to re-send, and the jobs no worker will take (ended here, in the caller's transaction)."""
+def reconcile(
+    session: Session,
+    settings: Settings,
+    deliveries: Callable[[Collection[str]], Deliveries] | None = None,
+    now: dt.datetime | None = None,
+) -> Reconciled:
+    """What to re-send, and the jobs no worker will take (ended here, in the caller's transaction).
+    ``deliveries`` reads what the broker holds for some queues; without it, every job found is re-sent."""
     now = now or utcnow()
     stale = now - dt.timedelta(seconds=settings.lease_timeout_s)
     grace = now - dt.timedelta(seconds=settings.queue_grace_s)
@@ -64,6 +76,7 @@ def reconcile(session: Session, settings: Settings, now: dt.datetime | None = No
         sa.and_(Job.state == JobState.judging, Job.lease_owner.is_(None), last_sent < grace),
         sa.and_(Job.state == JobState.judging, lapsed),
     )
+    candidates: list[tuple[Resend, bool]] = []  # and whether its lease lapsed
     for job in session.scalars(sa.select(Job).where(waiting).order_by(Job.id)):
         stage = Stage.verdict if job.state == JobState.judging else Stage.accelerator
         queue = job.verdict_queue if stage == Stage.verdict else job.queue
@@ -78,7 +91,13 @@ def reconcile(session: Session, settings: Settings, now: dt.datetime | None = No
             if close_unattended(session, job, job_report(job, Verdict.ERROR, ErrorClass.no_worker, reason)):
                 out.no_worker.append(job.id)
             continue
-        out.resend.append(Resend(job.id, queue, stage))
+        candidates.append((Resend(job.id, queue, stage), job.lease_owner is not None))
+    held = deliveries({r.queue for r, _ in candidates}) if deliveries and candidates else Deliveries()
+    for resend, owner_lapsed in candidates:
+        task_id = (verdict_task_id if resend.stage == Stage.verdict else celery_task_id)(resend.job_id)
+        if task_id in held.waiting or (not owner_lapsed and held.holds(task_id, settings.lease_timeout_s)):
+            continue
+        out.resend.append(resend)
     if out.resend:
         resent = sa.update(Job).where(Job.id.in_([r.job_id for r in out.resend]))
         session.execute(resent.values(enqueued_at=now, resends=Job.resends + 1))

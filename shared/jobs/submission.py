@@ -51,6 +51,7 @@ class Request:
     task: Task | None = None
     cores: int | None = None  # None: sized from the Hub's metadata
     fresh: bool = False  # ask the Hub now rather than take its answer of the last few minutes (sweeps)
+    submitted_by: str | None = None  # the API token's name (a sweep's jobs: the sweep's)
 
 
 def choose_task(model: ResolvedModel, requested: Task | None) -> Task:
@@ -100,8 +101,10 @@ def submit(
     force: bool = False,
     task: str = Task.text_generation.value,
     cores: int = 1,
+    submitted_by: str | None = None,
 ) -> list[Submitted]:
-    """One job per runtime; an identical queued, running or done job is returned instead of a new one.
+    """One job per runtime; an identical queued, running or done job is returned instead of a new one (still
+    its first submitter's: a second token that asks for the same test cannot cancel it).
 
     ``force`` reruns finished jobs but never doubles a queued or running one. The caller commits, then
     enqueues the created jobs: a message must never reach a worker before its row does.
@@ -121,6 +124,7 @@ def submit(
             config_hash=config_hash(task),
             gated=model.gated,
             trust_remote_code=model.needs_remote_code,
+            submitted_by=submitted_by,
             **runtime.model_dump(),
             cores=cores,
             queue=job_queue(runtime.backend, runtime.compiler_version, cores),
@@ -148,7 +152,7 @@ def submit_model(session: Session, settings: Settings, request: Request) -> list
     runtimes = plan_runtimes(session, settings, request.compilers)
     cores, refusal = admit(model, settings, request.cores)
     submitted = submit(session, model, request.revision, runtimes, force=request.force, task=task.value,
-                            cores=cores or 1)  # fmt: skip
+                       cores=cores or 1, submitted_by=request.submitted_by)  # fmt: skip
     if refusal is not None:
         for s in submitted:
             if s.created:

@@ -41,9 +41,11 @@ class Candidate:
     rank: int
 
 
-def open_sweep(session: Session, settings: Settings, trigger: str, slot: str | None = None) -> Sweep | None:
+def open_sweep(
+    session: Session, settings: Settings, trigger: str, slot: str | None = None, submitted_by: str | None = None
+) -> Sweep | None:
     """A new sweep row, or None when this schedule slot was swept already."""
-    sweep = Sweep(trigger=trigger, slot=slot, state=SweepState.queued, config={})
+    sweep = Sweep(trigger=trigger, slot=slot, state=SweepState.queued, config={}, submitted_by=submitted_by)
     try:
         with session.begin_nested():
             session.add(sweep)
@@ -80,7 +82,9 @@ def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[Submit
         if key not in submitted_before:
             try:
                 task = Task(c.task) if c.task else None
-                submitted = submit_model(session, settings, Request(c.model_id, task=task, fresh=True))
+                submitted = submit_model(
+                    session, settings, Request(c.model_id, task=task, fresh=True, submitted_by=sweep.submitted_by)
+                )
                 submitted_before[key] = (submitted, None)
             except (ModelNotFound, RevisionNotFound, ValueError, NoRuntime) as exc:  # ValueError: task, compiler
                 submitted_before[key] = ([], str(exc))
@@ -144,8 +148,9 @@ def rerun_flipped_cells(session: Session, settings: Settings, sweep: Sweep) -> l
         if cell.compiler_version not in served:
             continue
         request = Request(
-            cell.model_id, task=Task(cell.task), compilers=[cell.compiler_version], force=True, fresh=True
-        )
+            cell.model_id, task=Task(cell.task), compilers=[cell.compiler_version], force=True, fresh=True,
+            submitted_by=sweep.submitted_by,
+        )  # fmt: skip
         candidate = Candidate(cell.model_id, cell.task, "rerun", 0)
         try:
             submitted = submit_model(session, settings, request)
@@ -194,6 +199,7 @@ class SweepOut(BaseModel):
     id: int
     trigger: str
     slot: str | None
+    submitted_by: str | None = Field(description="the API token that started it; null for the schedule's")
     state: SweepState
     error: str | None
     config: dict[str, Any]

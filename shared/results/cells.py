@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from shared.db.models import Job, Result
+from shared.hub.client import MODEL_ID_PATTERN
 
 
 def version_key(version: str) -> tuple[tuple[int, int | str], ...]:
@@ -65,7 +66,20 @@ class Cell:
     tokens_per_s: float | None = None  # the median decode rate of its PASS runs (the performance tier)
 
 
-def cells(session: Session, *, compiler: str | None = None, library_version: str | None = None) -> list[Cell]:
+# A cell of one version, as a diff pages through them: model, task, and the version of the other axis.
+DiffKey = tuple[str, str, str]
+
+
+def cells(
+    session: Session,
+    *,
+    compiler: str | None = None,
+    library_version: str | None = None,
+    after: DiffKey | None = None,
+    through: DiffKey | None = None,
+) -> list[Cell]:
+    """The cells, of one compiler or library version when given. ``after`` and ``through`` bound the cells of
+    one version's ``DiffKey`` (exclusive, inclusive): the range one page of a diff reads."""
     stmt = (
         sa.select(
             Job.model_id,
@@ -83,6 +97,11 @@ def cells(session: Session, *, compiler: str | None = None, library_version: str
         stmt = stmt.where(Job.compiler_version == compiler)
     if library_version is not None:
         stmt = stmt.where(Job.library_version == library_version)
+    if after is not None or through is not None:
+        assert (compiler is None) != (library_version is None), "a key range is over one version's cells"
+        key = _diff_key_columns("library" if compiler is None else "compiler")
+        stmt = stmt.where(key > after) if after is not None else stmt
+        stmt = stmt.where(key <= through) if through is not None else stmt
     runs: dict[tuple[str, str, str, str], tuple[str, list[str], list[float]]] = {}
     for model_id, task, comp, lib, sha, verdict, rate in session.execute(stmt):
         key = (model_id, task, comp, lib)
@@ -135,6 +154,9 @@ Axis = Literal["compiler", "library"]
 
 
 class CellDiff(BaseModel):
+    """One page of a diff: the changes among the newer version's cells in this page's key range (model, task,
+    the other axis's version), in that order; ``next_cursor`` asks for the next range."""
+
     axis: Axis
     from_version: str = Field(serialization_alias="from", description="The older version.")
     to_version: str = Field(serialization_alias="to", description="The newer version.")
@@ -146,22 +168,65 @@ class CellDiff(BaseModel):
         default_factory=list,
         description=f"decodes more than {THROUGHPUT_NOISE_BAND:.0%} slower (PASS runs' median tokens per second)",
     )
+    cells_compared: int = Field(0, description="the newer version's cells this page read")
+    next_cursor: str | None = Field(None, description="Pass as `cursor` for the next page; null on the last.")
 
 
-def diff(session: Session, axis: Axis, from_version: str, to_version: str) -> CellDiff:
-    """Models that regressed or were fixed between two compiler (or library) versions, and flaky ones.
+def _diff_key_columns(axis: Axis) -> sa.Tuple:
+    other = Job.library_version if axis == "compiler" else Job.compiler_version
+    return sa.tuple_(Job.model_id, Job.task, other)
 
-    Cells are matched on everything but the axis that changes.
+
+# A diff page's cursor: the page's last key, readable — ``model,task,version`` (none of them holds a comma).
+DIFF_CURSOR_PATTERN = rf"^{MODEL_ID_PATTERN.strip('^$')},[a-z-]{{1,64}},[A-Za-z0-9][A-Za-z0-9._+-]{{0,99}}$"
+
+
+def encode_cursor(key: DiffKey) -> str:
+    return ",".join(key)
+
+
+def decode_cursor(cursor: str) -> DiffKey:
+    """A diff's cursor back to its key; ValueError for anything ``encode_cursor`` cannot have written."""
+    if not re.fullmatch(DIFF_CURSOR_PATTERN, cursor):
+        raise ValueError(f"cursor {cursor[:60]!r} is not a diff cursor (model,task,version): pass next_cursor as given")
+    model_id, task, version = cursor.split(",")
+    return model_id, task, version
+
+
+def diff(
+    session: Session, axis: Axis, from_version: str, to_version: str, after: DiffKey | None = None, limit: int = 500
+) -> CellDiff:
+    """Models that regressed or were fixed between two compiler (or library) versions, and flaky ones: one page,
+    of at most ``limit`` cells of the newer version after the key ``after``.
+
+    Cells are matched on everything but the axis that changes. A page reads the page's keys, then the rows of
+    both versions in that key range (indexes on each version and key: ix_jobs_diff_compiler, ix_jobs_diff_library),
+    so its cost follows ``limit``, not the size of either version.
     """
     by = "compiler" if axis == "compiler" else "library_version"
+    version = Job.compiler_version if axis == "compiler" else Job.library_version
+    columns = _diff_key_columns(axis)
+    keys_query = (
+        sa.select(*columns.clauses).join(Result, Result.job_id == Job.id).where(version == to_version)
+        .distinct().order_by(*columns.clauses).limit(limit + 1)
+    )  # fmt: skip
+    if after is not None:
+        keys_query = keys_query.where(columns > after)
+    keys: list[DiffKey] = [(k[0], k[1], k[2]) for k in session.execute(keys_query)]
+    through = keys[limit - 1] if len(keys) > limit else None  # the last page reads to the end
+    page = {"after": after, "through": through}
 
     def key(c: Cell) -> tuple[str, ...]:
         other = c.library_version if axis == "compiler" else c.compiler_version
         return (c.model_id, c.task, other)
 
-    old = {key(c): c for c in cells(session, **{by: from_version})}
-    out = CellDiff(axis=axis, from_version=from_version, to_version=to_version)
-    for cell in cells(session, **{by: to_version}):
+    old = {key(c): c for c in cells(session, **{by: from_version}, **page)}
+    newer = cells(session, **{by: to_version}, **page)
+    out = CellDiff(
+        axis=axis, from_version=from_version, to_version=to_version, cells_compared=len(newer),
+        next_cursor=encode_cursor(through) if through is not None else None,
+    )  # fmt: skip
+    for cell in newer:
         was = old.get(key(cell))
         if was is None:
             continue

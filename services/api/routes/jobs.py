@@ -31,7 +31,7 @@ from shared.hub.client import HubUnavailable, ModelNotFound, RevisionNotFound
 from shared.jobs import listing
 from shared.jobs.broker import revoke_job
 from shared.jobs.dispatch import BROKER_ERRORS, QueueUnavailable, commit_and_enqueue
-from shared.jobs.outcomes import JobFinished, JobNotFound, cancel
+from shared.jobs.outcomes import JobFinished, JobNotFound, NotYourJob, cancel
 from shared.jobs.runtimes import NoRuntime, UnknownCompiler
 from shared.jobs.submission import Request, UnsupportedTask, submit_model
 from shared.settings import Settings
@@ -64,7 +64,8 @@ async def submit_jobs(
         raise forbidden(Scope.admin, "force")
     # The submission asks the Hub (up to three calls): it runs in the Hub pool, never in the shared threads.
     try:
-        submitted = await pool.run(partial(_submit, session, settings, producer, Request(**body.model_dump())))
+        request = Request(**body.model_dump(), submitted_by=caller.name)
+        submitted = await pool.run(partial(_submit, session, settings, producer, request))
     except PoolBusy as exc:
         raise unavailable(f"too many submissions are waiting on the Hub ({exc}); retry later") from exc
     if not any(job.created for job in submitted.jobs):
@@ -116,14 +117,16 @@ def get_job(job_id: RowId, session: SessionDep) -> JobOut:
     return JobOut.model_validate(job)
 
 
-@router.delete("/{job_id}", response_model=JobOut, responses=error_responses(401, 404, 409, 422, 429, 503))
-def cancel_job(job_id: RowId, _: SubmitterDep, session: SessionDep, producer: ProducerDep) -> JobOut:
-    """Cancel a queued job, or stop a running one: its worker kills the runner within a heartbeat. Needs a token
-    of scope submit."""
+@router.delete("/{job_id}", response_model=JobOut, responses=error_responses(401, 403, 404, 409, 422, 429, 503))
+def cancel_job(job_id: RowId, caller: SubmitterDep, session: SessionDep, producer: ProducerDep) -> JobOut:
+    """Cancel a queued job, or stop a running one: its worker kills the runner within a heartbeat. A token of
+    scope submit cancels the jobs it submitted (403 for another's); one of scope admin cancels any."""
     try:
-        job = cancel(session, job_id)
+        job = cancel(session, job_id, by=caller.name, any_job=caller.may(Scope.admin))
     except JobNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    except NotYourJob as exc:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, str(exc)) from exc
     except JobFinished as exc:
         raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from exc
     session.commit()

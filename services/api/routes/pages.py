@@ -12,7 +12,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, status
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 
-from services.api.deps import SessionDep, SettingsDep
+from services.api.deps import DiffPageDep, ScanDep, SessionDep, SettingsDep
 from services.api.schemas import CompilerVersion, ModelId, RowId
 from shared.contracts.enums import Task, Verdict
 from shared.db.models import Sweep
@@ -149,16 +149,19 @@ def model_page(request: Request, model_id: ModelId, session: SessionDep, setting
 def changes_page(
     request: Request,
     session: SessionDep,
+    _: ScanDep,
+    page: DiffPageDep,
     from_: Annotated[CompilerVersion | None, Query(alias="from")] = None,
     to: Annotated[CompilerVersion | None, Query()] = None,
     axis: Axis = "compiler",
 ) -> Response:
-    """What regressed and what got fixed between two versions (GET /results/diff), newest two by default."""
+    """What regressed and what got fixed between two versions (GET /results/diff), newest two by default; a page
+    of the newer version's cells at a time."""
     versions = views.compiler_versions(session) if axis == "compiler" else views.library_versions(session, None)
     # A version of the other axis (the axis was just switched) falls back to the default, as a missing one does.
     to = to if to in versions else (versions[0] if versions else None)
     from_ = from_ if from_ in versions else next((v for v in versions if v != to), None)
-    changes = diff(session, axis, from_, to) if from_ and to else None
+    changes = diff(session, axis, from_, to, after=page.after, limit=page.limit) if from_ and to else None
     return templates.TemplateResponse(
         request,
         "changes.html",
@@ -168,6 +171,7 @@ def changes_page(
             "to_version": to,
             "axis": axis,
             "changes": changes,
+            "paged": page.after is not None or (changes is not None and changes.next_cursor is not None),
             "noise_band": THROUGHPUT_NOISE_BAND,
         },
     )

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response
 
-from services.api.deps import SessionDep, SettingsDep
+from services.api.deps import DiffPageDep, ScanDep, SessionDep, SettingsDep
 from services.api.schemas import CompilerVersion, Cursor, ModelId, ResultPage, error_responses
 from shared.contracts.enums import Task, Verdict
 from shared.jobs.sweeps import view_job_ids
@@ -18,16 +18,19 @@ router = APIRouter(prefix="/results", tags=["results"])
 NEXT_CURSOR_HEADER = "X-Next-Cursor"
 
 
-@router.get("/diff", response_model=CellDiff, responses=error_responses(422, 503))
+@router.get("/diff", response_model=CellDiff, responses=error_responses(422, 429, 503))
 def diff_results(
     session: SessionDep,
+    _: ScanDep,
+    page: DiffPageDep,
     from_: Annotated[CompilerVersion, Query(alias="from", description="the older version")],
     to: Annotated[CompilerVersion, Query(description="the newer version")],
     axis: Axis = "compiler",
 ) -> CellDiff:
     """Models that regressed (PASS → FAIL/ERROR) or were fixed between two compiler or library versions;
-    cells whose repeated runs disagree are listed as FLAKY."""
-    return diff(session, axis, from_, to)
+    cells whose repeated runs disagree are listed as FLAKY. One page of the newer version's cells at a time
+    (at most SUPPORTMATRIX_DIFF_PAGE_CELLS, and never more than page_limit_max); follow next_cursor."""
+    return diff(session, axis, from_, to, after=page.after, limit=page.limit)
 
 
 @router.get(

@@ -23,10 +23,10 @@ router = APIRouter(prefix="/sweeps", tags=["sweeps"])
     response_model=SweepOut,
     responses=error_responses(401, 403, 429, 503),
 )
-def start_sweep(_: AdminDep, session: SessionDep, settings: SettingsDep, producer: ProducerDep) -> SweepOut:
+def start_sweep(caller: AdminDep, session: SessionDep, settings: SettingsDep, producer: ProducerDep) -> SweepOut:
     """Sweep now: per configured task, the trending and most-downloaded models and the pinned selection. Needs a
     token of scope admin."""
-    sweep = open_sweep(session, settings, "api")
+    sweep = open_sweep(session, settings, "api", submitted_by=caller.name)
     assert sweep is not None  # only scheduled sweeps have a slot that can collide
     try:
         commit_and_request_sweep(session, producer, sweep)
