@@ -13,16 +13,23 @@ host's ``verdict_workers`` CPU slots, off the cores.
 Baselines on the same jobs: fixed layouts (workers started once, never re-planned; a job larger than every
 group cannot run) and one model at a time per host (the public Space's script: load, compile, generate,
 compare, then the next model).
+
+A host serves one compiler version (its image's), and takes jobs from that version's queues only. The fleet is
+static (``FleetSimulation``: every host up from the start, hosts spread over the compiler versions in turn) or
+autoscaled (``AutoscaledFleet``: hosts started and stopped as the trn2-autoscaled overlay's KEDA ScaledObject
+asks, see ``Autoscaler``), and each is billed for its hosts' whole time up, all of a host's cores.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from services.worker import planner
 from services.worker.host import STARTING_S, share
@@ -43,6 +50,7 @@ class SimJob:
     submitted_s: float = 0.0
     parameters: int = 0
     timed_out: bool = False  # the duration model made it longer than the stage's limit
+    compiler: str = COMPILER  # the compiler version it is tested under: its queue, and the hosts that serve it
 
 
 @dataclass(frozen=True)
@@ -77,10 +85,19 @@ class SimResult:
     jobs_timed_out: int = 0  # ended at the stage's hard limit
     starts: dict[str, float] = field(default_factory=dict)
     ends: dict[str, float] = field(default_factory=dict)
+    used_core_s: float = 0.0  # the jobs' accelerator-stage core-seconds
+    billed_core_s: float = 0.0  # every host's cores from its start to its stop (a static fleet: to the makespan)
+    hosts_up: list[tuple[float, float]] = field(default_factory=list)  # each host's (start, stop), seconds
 
     @property
     def ratio(self) -> float:
         return self.makespan_s / self.lower_bound_s
+
+    @property
+    def peak_hosts(self) -> int:
+        """The most hosts up at once (a host counts from its start, booting included, to its stop)."""
+        changes = sorted([(start, 1) for start, _ in self.hosts_up] + [(stop, -1) for _, stop in self.hosts_up])
+        return max(itertools.accumulate(change for _, change in changes), default=0)
 
 
 def lower_bound(jobs: Sequence[SimJob], total_cores: int) -> float:
@@ -100,10 +117,24 @@ class _Worker:
 @dataclass
 class _Host:
     index: int
+    compiler: str = COMPILER
     workers: dict[CoreGroup, _Worker] = field(default_factory=dict)
     draining: dict[CoreGroup, _Worker] = field(default_factory=dict)
     verdict_free_at: list[float] = field(default_factory=list)
     plan_pending: bool = False
+    started_s: float = 0.0  # billed from here
+    ready_s: float = 0.0  # its launcher is up: it plans and starts workers
+    leaving: bool = False  # scaled in: its workers drain, then it stops
+    stopped_s: float | None = None
+
+    def serving(self, now: float) -> bool:
+        """Up, and taking jobs: a host the launchers share the queued jobs over."""
+        return self.ready_s <= now and not self.leaving and self.stopped_s is None
+
+    def busy(self, now: float) -> bool:
+        """A job on its cores, or a verdict stage still to run on its CPUs."""
+        running = any(w.job is not None for w in [*self.workers.values(), *self.draining.values()])
+        return running or max(self.verdict_free_at, default=0.0) > now
 
 
 class FleetSimulation:
@@ -119,7 +150,9 @@ class FleetSimulation:
         layout: list[int] | None = None,
         learn_durations: bool = False,
         stage_limit_s: float | None = None,
+        compilers: Sequence[str] = (COMPILER,),
     ) -> None:
+        """``compilers``: the versions the hosts serve, host i the (i mod len)-th."""
         self.stage_limit_s = stage_limit_s if stage_limit_s is not None else STAGE_LIMIT_S
         self.jobs = within_limit(jobs, self.stage_limit_s)
         self.cores_per_host = cores_per_host
@@ -129,7 +162,8 @@ class FleetSimulation:
         # as the launcher does: the median accelerator-stage seconds of the jobs finished so far, per size
         self.learn_durations = learn_durations
         self.finished_seconds: dict[int, list[float]] = {}
-        self.hosts = [_Host(i, verdict_free_at=[0.0] * timings.verdict_workers) for i in range(hosts)]
+        self.compilers = list(compilers)
+        self.hosts = [self.new_host(self.compilers[i % len(self.compilers)], 0.0, 0.0) for i in range(hosts)]
         self.queues: dict[str, deque[SimJob]] = {}
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self.seq = itertools.count()
@@ -137,12 +171,21 @@ class FleetSimulation:
         self.starts: dict[str, float] = {}
         self.ends: dict[str, float] = {}
 
+    def new_host(self, compiler: str, started_s: float, ready_s: float) -> _Host:
+        index = len(getattr(self, "hosts", []))
+        return _Host(index, compiler, verdict_free_at=[0.0] * self.timings.verdict_workers, started_s=started_s,
+                     ready_s=ready_s)  # fmt: skip
+
     def at(self, when: float, action: Callable[[], None]) -> None:
         heapq.heappush(self.events, (when, next(self.seq), action))
 
-    def run(self) -> SimResult:
+    def runnable(self) -> list[SimJob]:
+        """The jobs some host can run: of a compiler version the fleet serves, no larger than its largest group."""
         largest_group = max(self.layout) if self.layout else self.cores_per_host
-        runnable = [j for j in self.jobs if j.cores <= largest_group]
+        return [j for j in self.jobs if j.cores <= largest_group and j.compiler in self.compilers]
+
+    def run(self) -> SimResult:
+        runnable = self.runnable()
         for job in runnable:
             self.at(job.submitted_s, lambda job=job: self.submit(job))
         if self.layout is None:  # hosts idle before the sweep: their spare workers are up at its start
@@ -157,23 +200,37 @@ class FleetSimulation:
                     group = CoreGroup(start, size)
                     host.workers[group] = _Worker(group, ready_at=0.0)
                     start += size
+        self.run_events()
+        makespan = max(self.ends.values(), default=0.0)
+        for host in self.hosts:  # a static fleet is up until the sweep ends
+            host.stopped_s = makespan
+        return self.result(runnable, self.cores_per_host * len(self.hosts))
+
+    def run_events(self) -> None:
         while self.events:
             self.now, _, action = heapq.heappop(self.events)
             action()
-        total_cores = self.cores_per_host * len(self.hosts)
+
+    def result(self, runnable: Sequence[SimJob], total_cores: int) -> SimResult:
+        """What the run came to, against the lower bound on ``total_cores``."""
         makespan = max(self.ends.values(), default=0.0)
         biggest = max((j.cores for j in runnable), default=1)
         waits = [self.starts[j.name] - j.submitted_s for j in runnable if j.cores == biggest]
+        used = sum(j.cores * j.accelerator_s for j in runnable)
+        up = [(h.started_s, h.stopped_s if h.stopped_s is not None else makespan) for h in self.hosts]
         return SimResult(
             makespan_s=makespan,
             lower_bound_s=lower_bound(self.jobs, total_cores),
             jobs_run=len(self.ends),
             jobs_unrunnable=len(self.jobs) - len(runnable),
-            core_utilisation=sum(j.cores * j.accelerator_s for j in runnable) / (total_cores * makespan),
+            core_utilisation=used / (total_cores * makespan),
             largest_size_wait_s=max(waits, default=0.0),
             jobs_timed_out=sum(j.timed_out for j in runnable),
             starts=self.starts,
             ends=self.ends,
+            used_core_s=used,
+            billed_core_s=self.cores_per_host * sum(stop - start for start, stop in up),
+            hosts_up=up,
         )
 
     # events
@@ -181,24 +238,31 @@ class FleetSimulation:
     def submit(self, job: SimJob) -> None:
         # a fixed layout runs a job on its smallest group that is large enough: it is submitted at that size
         cores = min(s for s in self.layout if s >= job.cores) if self.layout else job.cores
-        self.queues.setdefault(job_queue(BACKEND, COMPILER, cores), deque()).append(job)
+        self.queues.setdefault(job_queue(BACKEND, job.compiler, cores), deque()).append(job)
         self.changed()
+
+    def queue(self, compiler: str, size: int) -> deque[SimJob] | None:
+        return self.queues.get(job_queue(BACKEND, compiler, size))
 
     def changed(self) -> None:
         """Something a launcher watches changed: every host re-plans after its poll, and idle workers look."""
         if self.layout is None:
             for host in self.hosts:
-                if not host.plan_pending:
+                if host.serving(self.now) and not host.plan_pending:
                     host.plan_pending = True
                     self.at(self.now + self.timings.poll_s, lambda host=host: self.plan(host))
         self.at(self.now, self.dispatch)
 
     def plan(self, host: _Host) -> None:
         host.plan_pending = False
-        queues = {size: self.queues.get(job_queue(BACKEND, COMPILER, size)) for size in CORE_SIZES}
+        if not host.serving(self.now):
+            return
+        queues = {size: self.queue(host.compiler, size) for size in CORE_SIZES}
         queued = {size: len(q) for size, q in queues.items() if q}
         waited = {size: self.now - q[0].submitted_s for size, q in queues.items() if q}  # FIFO: the head is oldest
-        backlog = {size: share(n, len(self.hosts), host.index) for size, n in queued.items()}
+        # the queued jobs split over the live hosts of its compiler version, as the launchers read them from SQL
+        peers = [h for h in self.hosts if h.compiler == host.compiler and h.serving(self.now)]
+        backlog = {size: share(n, len(peers), peers.index(host)) for size, n in queued.items()}
         for worker in [*host.workers.values(), *host.draining.values()]:
             if worker.job is not None:
                 backlog[worker.group.size] = backlog.get(worker.group.size, 0) + 1
@@ -233,13 +297,17 @@ class FleetSimulation:
     def exit(self, host: _Host, group: CoreGroup) -> None:
         del host.draining[group]
         self.changed()
+        self.drained(host)
+
+    def drained(self, host: _Host) -> None:
+        """A host that stops once its last worker left: the static fleet's never do."""
 
     def dispatch(self) -> None:
         for host in self.hosts:
             for worker in host.workers.values():
                 if worker.job is not None or worker.ready_at > self.now:
                     continue
-                queue = self.queues.get(job_queue(BACKEND, COMPILER, worker.group.size))
+                queue = self.queue(host.compiler, worker.group.size)
                 if queue:
                     job = queue.popleft()
                     worker.job = job
@@ -262,6 +330,164 @@ class FleetSimulation:
             self.changed()
 
 
+SCALED_OBJECT = Path(__file__).resolve().parent.parent / "deploy/kubernetes/overlays/trn2-autoscaled/scaledobject.yaml"
+# From the scale-up decision to a launcher that plans: Karpenter launches a trn2.48xlarge (about a minute to a
+# running instance), the node joins the cluster and its Neuron device plugin registers (about another), the neuron
+# image (torch-neuronx, transformers, the Neuron runtime: gigabytes) is pulled onto its empty disk, and the launcher's
+# startup probe passes. Five minutes is what a pod that needs a new node is commonly quoted at on EKS with Karpenter;
+# an assumption, not a measurement on trn2 (a larger image or a capacity shortage takes longer).
+NODE_START_S = 300.0
+
+
+@dataclass(frozen=True)
+class Autoscaler:
+    """How the autoscaled fleet grows and shrinks: the trn2-autoscaled overlay's KEDA ScaledObject, one per compiler
+    version's image (``from_scaled_object`` reads its settings), and the node each pod needs.
+
+    Every ``polling_s`` each compiler version's fleet asks for the largest of: per job size, its queued jobs over a
+    host's worth of them (the redis triggers' ``listLength``, cores per host / size), and its busy hosts (the
+    postgresql trigger), at most ``max_hosts``. Up: at once (HPA's default scale-up). Down: to the largest wish of the
+    last ``stabilization_s``, one host per ``scale_down_every_s`` (the HPA behaviour), and to zero once every trigger
+    has been zero for ``cooldown_s`` (KEDA's cooldownPeriod). The host that goes is the newest (the ReplicaSet's
+    choice, not the idlest: one still starting goes at once; a busy one drains its jobs first). ``max_hosts`` is
+    also the node pool's limit over every compiler version's fleet: when the wishes exceed it, the versions take
+    hosts in turn."""
+
+    max_hosts: int = 4
+    node_start_s: float = NODE_START_S
+    polling_s: float = 30.0
+    cooldown_s: float = 900.0
+    stabilization_s: float = 900.0
+    scale_down_every_s: float = 300.0
+
+    @classmethod
+    def from_scaled_object(cls, path: Path = SCALED_OBJECT, node_start_s: float = NODE_START_S) -> Autoscaler:
+        import yaml
+
+        spec = next(d for d in yaml.safe_load_all(path.read_text()) if d["kind"] == "ScaledObject")["spec"]
+        down = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+        [policy] = down["policies"]
+        assert policy == {"type": "Pods", "value": 1, "periodSeconds": policy["periodSeconds"]}, policy
+        return cls(
+            max_hosts=spec["maxReplicaCount"],
+            node_start_s=node_start_s,
+            polling_s=spec["pollingInterval"],
+            cooldown_s=spec["cooldownPeriod"],
+            stabilization_s=down["stabilizationWindowSeconds"],
+            scale_down_every_s=policy["periodSeconds"],
+        )
+
+
+class AutoscaledFleet(FleetSimulation):
+    """The fleet from zero hosts, scaled by ``Autoscaler`` per compiler version (``compilers``); re-planned by the
+    real planner as the static fleet is. A host is billed from its start (booting included) to its stop."""
+
+    def __init__(
+        self,
+        jobs: Sequence[SimJob],
+        autoscaler: Autoscaler,
+        cores_per_host: int,
+        timings: Timings,
+        seconds_per_job: dict[int, float] | None = None,
+        compilers: Sequence[str] = (COMPILER,),
+    ) -> None:
+        super().__init__(jobs, 0, cores_per_host, timings, seconds_per_job, compilers=compilers)
+        self.autoscaler = autoscaler
+        self.wishes: dict[str, list[tuple[float, int]]] = {c: [] for c in self.compilers}
+        self.active_at: dict[str, float] = {c: -math.inf for c in self.compilers}  # last poll with a trigger above 0
+        self.scaled_down_at: dict[str, float] = {c: -math.inf for c in self.compilers}
+        self.unfinished = 0
+
+    def run(self) -> SimResult:
+        runnable = self.runnable()
+        self.unfinished = len(runnable)
+        for job in runnable:
+            self.at(job.submitted_s, lambda job=job: self.submit(job))
+        self.at(0.0, self.poll)
+        self.run_events()
+        return self.result(runnable, self.cores_per_host * self.autoscaler.max_hosts)
+
+    def finish(self, host: _Host, worker: _Worker) -> None:
+        job = worker.job
+        assert job is not None
+        super().finish(host, worker)
+        self.unfinished -= 1
+        # its verdict stage may be the host's last work: a leaving host stops after it
+        self.at(self.ends[job.name], lambda: self.drained(host))
+
+    # the scaler
+
+    def up(self, compiler: str) -> list[_Host]:
+        """The fleet's pods: hosts starting or up, not leaving."""
+        return [h for h in self.hosts if h.compiler == compiler and not h.leaving and h.stopped_s is None]
+
+    def wish(self, compiler: str) -> int:
+        """What the triggers ask for: a host per host's worth of queued jobs of a size, or per busy host."""
+        waiting = [math.ceil(len(q) / (self.cores_per_host // size)) for size in CORE_SIZES
+                   if size <= self.cores_per_host and (q := self.queue(compiler, size))]  # fmt: skip
+        busy = sum(1 for h in self.hosts if h.compiler == compiler and h.stopped_s is None and h.busy(self.now))
+        return min(self.autoscaler.max_hosts, max([busy, *waiting]))
+
+    def poll(self) -> None:
+        scaler = self.autoscaler
+        wanted: dict[str, int] = {}
+        for compiler in self.compilers:
+            wish = self.wish(compiler)
+            if wish > 0:
+                self.active_at[compiler] = self.now
+            history = self.wishes[compiler]
+            history.append((self.now, wish))
+            while history[0][0] < self.now - scaler.stabilization_s:
+                history.pop(0)
+            up = self.up(compiler)
+            if wish >= len(up):
+                wanted[compiler] = wish - len(up)
+            elif self.now - self.active_at[compiler] >= scaler.cooldown_s:  # every trigger at zero: to zero
+                for host in up:
+                    self.leave(host)
+            elif self.now - self.scaled_down_at[compiler] >= scaler.scale_down_every_s and max(
+                1, *(w for _, w in history)
+            ) < len(up):
+                self.scaled_down_at[compiler] = self.now
+                starting = [h for h in up if h.ready_s > self.now]
+                self.leave(max(starting or up, key=lambda h: h.started_s))
+        free = scaler.max_hosts - sum(1 for h in self.hosts if h.stopped_s is None)  # a leaving node is still held
+        while free > 0 and any(wanted.values()):
+            for compiler in self.compilers:  # the versions in turn
+                if free > 0 and wanted.get(compiler):
+                    self.start(compiler)
+                    wanted[compiler] -= 1
+                    free -= 1
+        if self.unfinished or any(h.stopped_s is None for h in self.hosts):
+            self.at(self.now + scaler.polling_s, self.poll)
+
+    def start(self, compiler: str) -> None:
+        host = self.new_host(compiler, self.now, self.now + self.autoscaler.node_start_s)
+        self.hosts.append(host)
+        self.at(host.ready_s, self.changed)  # its launcher plans, the others share the queues with it
+
+    def leave(self, host: _Host) -> None:
+        """Scaled in: a host still starting goes at once; one that is up drains (its launcher's SIGTERM) and stops
+        once its jobs and verdict stages are done."""
+        host.leaving = True
+        if host.ready_s > self.now:
+            host.stopped_s = self.now
+            return
+        for group, worker in list(host.workers.items()):
+            del host.workers[group]
+            worker.draining = True
+            host.draining[group] = worker
+            if worker.job is None:
+                self.at(self.now + self.timings.worker_exit_s, lambda host=host, group=group: self.exit(host, group))
+        self.changed()
+        self.drained(host)
+
+    def drained(self, host: _Host) -> None:
+        idle = not host.workers and not host.draining and not host.busy(self.now)
+        if host.leaving and host.stopped_s is None and idle:
+            host.stopped_s = self.now
+
+
 def simulate(
     jobs: Sequence[SimJob],
     hosts: int,
@@ -271,9 +497,18 @@ def simulate(
     layout: list[int] | None = None,
     learn_durations: bool = False,
     stage_limit_s: float | None = None,
+    compilers: Sequence[str] = (COMPILER,),
 ) -> SimResult:
     return FleetSimulation(
-        jobs, hosts, cores_per_host, timings or Timings(), seconds_per_job, layout, learn_durations, stage_limit_s
+        jobs,
+        hosts,
+        cores_per_host,
+        timings or Timings(),
+        seconds_per_job,
+        layout,
+        learn_durations,
+        stage_limit_s,
+        compilers,
     ).run()
 
 

@@ -18,4 +18,22 @@ fi
 if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ]; then
     apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null
 fi
+# kubectl with kustomize 5 renders deploy/kubernetes/ in tests/test_kubernetes.py; a machine without one gets the
+# pinned kubectl 1.32 binary beside the venv's python (deploy/kubernetes/install_kubectl.py says from where).
+if ! command -v kubectl >/dev/null && [ ! -x .venv/bin/kubectl ]; then
+    .venv/bin/python deploy/kubernetes/install_kubectl.py .venv/bin
+fi
+# The users runners run as when the worker is root (shared/isolation.py): transformers' code, and a repo's own.
+if [ "$(id -u)" = 0 ]; then
+    for user in supportmatrix-runner supportmatrix-sandbox; do
+        id -u "$user" >/dev/null 2>&1 || useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin "$user"
+    done
+    # They must reach the interpreter and the checkout: a venv made from a Python under /root (pyenv's) needs the
+    # directories above it searchable by others (o+x: entered by a known path, not listed).
+    for dir in "$(readlink -f .venv/bin/python)" "$PWD"; do
+        while dir="$(dirname "$dir")" && [ "$dir" != / ]; do
+            if [ $(( $(stat -c %#a "$dir") & 1 )) = 0 ]; then echo "setup: chmod o+x $dir (for the runner users)"; chmod o+x "$dir"; fi
+        done
+    done
+fi
 .venv/bin/python -c "import torch, transformers, celery, fastapi; print('torch', torch.__version__, '| transformers', transformers.__version__)"

@@ -114,6 +114,10 @@ class Settings(BaseSettings):
     zygote: bool = True
     # Set by the worker in the environment of a runner forked from the zygote: where its own children fork from.
     runner_zygote: str | None = None
+    # The users runners run as when the worker is root (shared/isolation.py): transformers' code, and a repo's own
+    # (trust_remote_code). Empty runner_user: runners run as the worker, with its access.
+    runner_user: str = "supportmatrix-runner"
+    sandbox_user: str = "supportmatrix-sandbox"
     # A job's artifacts are removed when its row is written, but kept this long after a FAIL, for inspection.
     artifact_retention_s: float = Field(7 * 24 * 3600.0, ge=0)
 
@@ -168,6 +172,16 @@ class Settings(BaseSettings):
         assert self.cache_dir is not None
         return self.cache_dir
 
+    @property
+    def isolates_runners(self) -> bool:
+        """Runners run as users of their own: the worker is root (it can switch users) and runner_user is set."""
+        return os.geteuid() == 0 and bool(self.runner_user)
+
+    @property
+    def runner_home(self) -> Path:
+        """The runner user's home, in the data dir: its Hub cache unless HF_HOME says otherwise."""
+        return self.data_dir / "home" / self.runner_user
+
 
 @lru_cache
 def get_settings() -> Settings:
@@ -209,6 +223,8 @@ def child_environment(
     env = {k: v for k, v in os.environ.items() if k in INHERITED_NAMES or k.startswith(INHERITED_PREFIXES)}
     # huggingface_hub would read a token saved by `hf auth login` under HF_HOME: point it at none.
     env["HF_TOKEN_PATH"] = str(settings.data_dir / "no-hub-token")
+    if settings.isolates_runners:  # the runner user's own, not the worker's (shared.isolation)
+        env |= {"HOME": str(settings.runner_home), "USER": settings.runner_user, "LOGNAME": settings.runner_user}
     for name in RUNNER_SETTINGS:
         value = getattr(settings, name)
         if value is not None:

@@ -33,6 +33,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from shared.isolation import RunAs
 from shared.processes import ChildProcess, die_with_parent
 
 # Variables a forked child may have that its zygote has not: read by our code or by libraries when used, not
@@ -73,6 +74,9 @@ class ForkRequest(BaseModel):
     cpus: list[int] | None = None
     group: Literal["new"] | int  # "new": lead a process group of its own; else join this group
     secrets_file: Path | None = None  # JSON {name: value}, added to the environment, removed once read
+    # The user the child runs as, asked by a requester of the zygote's own user; a requester of another user
+    # (a runner, for its ranks) gets children of its own user, whatever it asks.
+    run_as: RunAs | None = None
 
 
 class ForkReply(BaseModel):
@@ -215,9 +219,11 @@ def start_python(
     own_group: bool,
     cpus: set[int] | None = None,
     zygote: str | None = None,
+    run_as: RunAs | None = None,
 ) -> tuple[ChildProcess, str | None]:
-    """``python -m module args``: forked by the zygote at ``zygote`` when it can, else a fresh interpreter.
-    Returns the process and, when the zygote was asked and could not fork, why (for the caller's log)."""
+    """``python -m module args``: forked by the zygote at ``zygote`` when it can, else a fresh interpreter;
+    as ``run_as`` when given (the caller is root). Returns the process and, when the zygote was asked and
+    could not fork, why (for the caller's log)."""
     if zygote is not None:
         secrets = {name: value for name, value in env.items() if name in SECRET_NAMES}
         secrets_file = log.with_name(f"{log.name}.secrets") if secrets else None
@@ -229,7 +235,7 @@ def start_python(
         request = ForkRequest(
             module=module, args=args, env=public | {"SUPPORTMATRIX_RUNNER_ZYGOTE": zygote}, log=log,
             cpus=sorted(cpus) if cpus is not None else None, group="new" if own_group else os.getpgid(0),
-            secrets_file=secrets_file,
+            secrets_file=secrets_file, run_as=run_as,
         )  # fmt: skip
         try:
             return fork_from_zygote(zygote, request), None
@@ -239,6 +245,7 @@ def start_python(
             why: str | None = f" ({exc})"
     else:
         why = None
+    user = {"user": run_as.uid, "group": run_as.gid, "extra_groups": []} if run_as is not None else {}
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
@@ -247,7 +254,8 @@ def start_python(
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=own_group,
-            preexec_fn=_prepare_child(cpus),
+            preexec_fn=_prepare_child(cpus),  # runs after the switch of user: the death signal survives it
+            **user,
         )
     return proc, why
 

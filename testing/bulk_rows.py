@@ -205,7 +205,7 @@ SELECT j.id, r.verdict,
        j.torch_version, j.library_version, j.compiler_version,
        'python -m services.runner ' || j.model_id || ' --revision ' || j.sha || ' --task ' || j.task
            || ' --cores ' || j.cores || ' --compiler ' || j.compiler_version,
-       CASE WHEN j.cores > 1 THEN 'tensor' ELSE 'none' END, '0-' || j.cores - 1,
+       CASE WHEN j.cores > 1 THEN 'tp' ELSE 'none' END, '0-' || j.cores - 1,
        (ARRAY['hit', 'miss', 'none'])[1 + h %% 3], h %% 4 <> 0,
        CASE r.verdict WHEN 'PASS' THEN 'tokens match the reference' WHEN 'FAIL' THEN 'tokens diverge at step '
             || h %% 32 || ' and the gap is not a near tie' END,

@@ -27,6 +27,7 @@ from testing.services import Started, ensure_postgres, ensure_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_DIR = Path(tempfile.mkdtemp(prefix="supportmatrix-tests-"))
+RUN_DIR.chmod(0o711)  # the runner users of tests/test_isolation.py pass through to its directories, and list nothing
 HUB_PORT = free_port()
 SCHEMA = f"test_{uuid.uuid4().hex[:12]}"
 PG_BASE = os.environ.get("SUPPORTMATRIX_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -59,6 +60,9 @@ os.environ.update(
         # the compose stack's job), off elsewhere.
         "SUPPORTMATRIX_PERF_ITERATIONS": "0",
         "SUPPORTMATRIX_LONG_GENERATION": "false",
+        # Runners run as the test process's user (root), in directories every test shares; tests/test_isolation.py
+        # runs a stack of its own with the runner users on, as a worker started as root does by default.
+        "SUPPORTMATRIX_RUNNER_USER": "",
     }
 )
 

@@ -177,7 +177,16 @@ def test_openapi_documents_every_status_each_route_returns(api: Any) -> None:
         "429",
         "503",
     }
-    assert set(paths["/jobs/{job_id}"]["delete"]["responses"]) == {"200", "401", "404", "409", "422", "429", "503"}
+    assert set(paths["/jobs/{job_id}"]["delete"]["responses"]) == {
+        "200",
+        "401",
+        "403",
+        "404",
+        "409",
+        "422",
+        "429",
+        "503",
+    }
     assert set(paths["/sweeps"]["post"]["responses"]) == {"202", "401", "403", "429", "503"}
     assert "Retry-After" in paths["/jobs"]["post"]["responses"]["429"]["headers"]
     assert "security" in paths["/jobs"]["post"] and "security" not in paths["/jobs"]["get"]

@@ -31,7 +31,7 @@ def test_services_do_not_import_torch_or_the_runner(module: str) -> None:
 FLOORS = [
     {"shared.contracts"},
     {"shared.settings", "shared.testconfig", "shared.installed", "shared.cores", "shared.processes",
-     "shared.zygote_client"},
+     "shared.zygote_client", "shared.isolation"},
     {"shared.db", "shared.hub"},
     {"shared.auth", "shared.results"},
     {"shared.jobs"},

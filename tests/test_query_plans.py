@@ -27,7 +27,7 @@ from services.api.main import app
 from shared.db.models import Job
 from shared.hub.client import ResolvedModel
 from shared.jobs.submission import submit
-from shared.results.records import query_results
+from shared.results.export import ExportKey, key_cells
 from testing.bulk_rows import TABLES, History, populate
 from tests.conftest import fresh_database
 
@@ -123,18 +123,19 @@ def test_a_views_page_and_its_next_read_only_the_views_jobs(big: Big, client: Te
 
 
 def test_an_export_files_runs_are_read_by_their_key(big: Big) -> None:
-    """What the export reads for one (compiler version, library, library version) file: one of a compiler version
-    that ran under two library versions."""
+    """What the export reads for one (compiler version, library, library version) file — the statement
+    ``key_cells`` sends, which the columnar reader sends with its values inline — for a compiler version that ran
+    under two library versions."""
     h = big.history
     round_ = next(
         k
         for k in range(1, h.rounds)
         if h.compiler(k) == h.compiler(k - 1) and h.library_version(k) != h.library_version(k - 1)
     )
-    key = {"compiler": h.compiler(round_), "library_version": h.library_version(round_)}
+    key = ExportKey(h.compiler(round_), "transformers", h.library_version(round_))
     with issued(big.engine) as statements, Session(big.engine) as session:
-        rows = query_results(session, **key, library="transformers")
-    assert rows and {(r.neuronx_cc, r.library_version) for r in rows} == {tuple(key.values())}
+        cells = key_cells(session, key)
+    assert cells and {(c.neuronx_cc, c.library_version) for c in cells} == {(key.compiler_version, key.library_version)}
     assert_read_through_indexes(big.engine, statements)
 
 

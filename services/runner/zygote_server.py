@@ -9,6 +9,11 @@ died), its child is killed. Only processes of the same user may ask, only for th
 with the zygote's own environment apart from the per-child variables. Secrets reach the child in a file,
 never through here: this process's memory is every later child's. Single-threaded: a fork copies no thread.
 A request is read with a short timeout, and a requester gone before its answer loses its child.
+
+A zygote that runs as root forks children that run as a user of their own (shared/isolation.py): the user
+a root requester names (the worker, for a runner), or the requester's own (a runner, for its ranks) — so
+no requester gets a child with more rights than it has. The child reads its secrets file while still root,
+then takes its user, before it runs anything of the module's.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.isolation import RunAs
 from shared.processes import run_as_child
 from shared.zygote_client import MODULES, ForkReply, ForkRequest, environment_mismatch, socket_name
 
@@ -57,9 +63,11 @@ def preload() -> float:
     return time.monotonic() - started
 
 
-def peer_uid(connection: socket.socket) -> int:
+def peer_user(connection: socket.socket) -> tuple[int, int]:
+    """The requester's uid and gid, as the kernel says (SO_PEERCRED)."""
     creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[2])
+    _pid, uid, gid = struct.unpack("3i", creds)
+    return uid, gid
 
 
 def refusal(request: ForkRequest, zygote_env: dict[str, str]) -> str | None:
@@ -75,8 +83,29 @@ def refusal(request: ForkRequest, zygote_env: dict[str, str]) -> str | None:
     return environment_mismatch(zygote_env, request.env)
 
 
-def become(request: ForkRequest, log_fd: int) -> None:
-    """In the forked child: what a fresh interpreter would be given, then the module as __main__."""
+def child_user(request: ForkRequest, peer: tuple[int, int]) -> RunAs | None:
+    """Whom the child runs as: the requester's user, unless the requester is the zygote's own user (it may name
+    any); None keeps the zygote's."""
+    uid, gid = peer
+    if uid == os.getuid():
+        return request.run_as
+    return RunAs(name=str(uid), uid=uid, gid=gid)
+
+
+def take(user: RunAs) -> None:
+    os.setgroups([])
+    os.setgid(user.gid)
+    os.setuid(user.uid)
+
+
+def become(request: ForkRequest, log_fd: int | None, user: RunAs | None) -> None:
+    """In the forked child: what a fresh interpreter would be given, then the module as __main__. ``log_fd`` is
+    None for a requester of another user: the child takes that user first, and opens its log and reads its
+    secrets with that user's rights only (a root zygote never opens or removes a path such a requester names)."""
+    if log_fd is None:
+        assert user is not None
+        take(user)
+        log_fd = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     os.dup2(log_fd, 1)  # first: whatever fails below is in the requester's log
     os.dup2(log_fd, 2)
     os.close(log_fd)
@@ -84,6 +113,8 @@ def become(request: ForkRequest, log_fd: int) -> None:
     if request.secrets_file is not None:  # then: a child that fails below leaves no secret on disk
         secrets = json.loads(request.secrets_file.read_text())
         request.secrets_file.unlink()
+    if user is not None and user.uid != os.getuid():  # then its user, before anything of the module runs
+        take(user)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -147,18 +178,21 @@ class Zygote:
             self.forget(connection)
 
     def answer(self, connection: socket.socket) -> None:
-        if peer_uid(connection) != os.getuid():
+        peer = peer_user(connection)
+        if peer[0] != os.getuid() and os.getuid() != 0:  # only root can give a child another user
             raise PermissionError("another user asked")
         connection.settimeout(REQUEST_TIMEOUT_S)
         request = ForkRequest.model_validate_json(connection.makefile("rb").readline())
+        user = child_user(request, peer)
+        own = peer[0] == os.getuid()  # a requester of the zygote's own user (the worker): trusted with paths
         why = refusal(request, self.env)
         if why is not None:
             log(f"refused {request.module}: {why}")
             connection.sendall(ForkReply(refused=why).model_dump_json().encode() + b"\n")
             connection.close()
             return
-        # Opened here, so that the requester finds the log however early the child fails.
-        log_fd = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # Opened here, so that the requester finds the log however early the child fails (another user's: by the child).
+        log_fd = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if own else None
         try:
             pid = os.fork()
             if pid == 0:  # the child keeps no socket of the zygote's: their ends close with the zygote
@@ -167,15 +201,16 @@ class Zygote:
                 connection.close()
                 for child in self.children.values():
                     child.connection.close()
-                run_as_child(lambda: become(request, log_fd))
+                run_as_child(lambda: become(request, log_fd, user))
         finally:
-            os.close(log_fd)
+            if log_fd is not None:
+                os.close(log_fd)
         # Also from this side (the classic race): the group and CPUs hold before the requester hears the pid.
         with contextlib.suppress(OSError):
             os.setpgid(pid, pid if request.group == "new" else request.group)
             if request.cpus is not None:
                 os.sched_setaffinity(pid, request.cpus)
-        self.children[pid] = Child(connection, request.group == "new", request.secrets_file)
+        self.children[pid] = Child(connection, request.group == "new", request.secrets_file if own else None)
         self.by_connection[connection] = pid
         log(f"fork {pid}: {request.module} {' '.join(request.args)[:160]}")
         connection.sendall(ForkReply(pid=pid).model_dump_json().encode() + b"\n")  # gone: the child goes too

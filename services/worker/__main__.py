@@ -20,6 +20,7 @@ from shared.contracts.handoffs import write_model
 from shared.contracts.run import RuntimeInfo
 from shared.cores import CoreGroup
 from shared.installed import installed_version
+from shared.isolation import IsolationUnavailable, prepare
 from shared.jobs.queues import job_queue, verdict_queue
 from shared.settings import Settings, child_environment, get_settings
 
@@ -66,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loglevel", default="INFO")
     args = parser.parse_args(argv)
     settings = get_settings()
+    try:
+        print(prepare(settings), flush=True)
+    except IsolationUnavailable as exc:
+        parser.error(str(exc))
     if args.verdict:
         queue = verdict_queue(settings.host_name)
         registry.configure(registry.Identity(queue=queue))

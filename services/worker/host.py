@@ -23,16 +23,21 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import sqlalchemy as sa
 
 from services.worker.__main__ import describe_runtime
 from services.worker.__main__ import main as worker_main
 from services.worker.planner import HostPlan, HostState, plan_host
+from shared.contracts.enums import JobState
 from shared.cores import CoreGroup
-from shared.db.engine import get_engine, new_session
-from shared.db.models import utcnow
+from shared.db.engine import DB_ERRORS, get_engine, new_session
+from shared.db.models import Job, utcnow
 from shared.jobs.backlog import backlog_facts
 from shared.jobs.lease import LeaseOwner
+from shared.jobs.queues import verdict_queue
 from shared.jobs.runtimes import live_since
 from shared.processes import ChildProcess, die_with_parent, run_as_child
 from shared.settings import Settings, child_environment, get_settings
@@ -45,6 +50,7 @@ RECENT_JOBS = 200  # the accelerator-stage durations the expected seconds per si
 # the planner keeps it (HostState.starting).
 STARTING_S = 10.0
 ZYGOTE_RESTART_S = 30.0
+DRAIN_POLL_S = 0.5  # how often a stopping launcher looks for verdict stages still to judge
 
 
 def worker_name(group: CoreGroup) -> str:
@@ -268,15 +274,63 @@ class HostLauncher:
         return f"exit {proc.returncode}, after {time.monotonic() - self.started_at.pop(group, time.monotonic()):.1f} s"
 
     def stop(self) -> None:
-        """Warm shutdown: every worker finishes its job and exits; then the zygote, which their runners needed
-        (it tells them their runners' exit status and kills a runner whose worker died)."""
-        workers = list(self.workers.values()) + list(self.draining.values()) + self.verdict_workers
-        for stage in (workers, [self.zygote] if self.zygote is not None else []):
-            for proc in stage:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in stage:
-                proc.wait()
+        """Warm shutdown, in the order a job's stages run, so that a host leaving for good (a pod scaled away)
+        strands no job on its verdict queue, which no other host serves: the core-group workers finish their jobs
+        and exit, each finished accelerator stage having sent its verdict stage to this host's queue; the verdict
+        workers take those until SQL says none is left (``finish_verdict_stages``), then exit; then the zygote,
+        which their runners needed (it tells them their runners' exit status and kills a runner whose worker
+        died). What outlives the shutdown — a SIGKILL after a grace period — is sent again by the reconciler once
+        its lease lapses."""
+        stop_and_wait([*self.workers.values(), *self.draining.values()])
+        self.finish_verdict_stages()
+        stop_and_wait(self.verdict_workers)
+        stop_and_wait([self.zygote] if self.zygote is not None else [])
+
+    def finish_verdict_stages(self) -> None:
+        """Keep the verdict workers until this host's verdict queue has no job left to judge, for as long as one of
+        them lives and they make progress: at most a verdict stage's own limit (SUPPORTMATRIX_JOB_TIMEOUT_S), and no
+        longer than the reconciler takes to re-send a lost message (SUPPORTMATRIX_QUEUE_GRACE_S and two of its
+        periods) while none of the jobs left is being judged."""
+        settings = self.settings
+        queue = verdict_queue(settings.host_name)
+        deadline = time.monotonic() + settings.stage_limit_s(compiles=False)
+        patience = settings.queue_grace_s + 2 * settings.reconcile_every_s
+        said, judged_at = None, time.monotonic()
+        while any(proc.poll() is None for proc in self.verdict_workers) and time.monotonic() < deadline:
+            try:
+                left, judging = verdict_stages_left(queue)
+            except DB_ERRORS as exc:
+                log(f"drain: cannot read what {queue} holds ({type(exc).__name__}); stopping the verdict workers")
+                return
+            if not left:
+                return
+            if judging:
+                judged_at = time.monotonic()
+            elif time.monotonic() - judged_at > patience:
+                log(f"drain: {left} verdict stage(s) on {queue} untaken for {patience:g} s; stopping its workers")
+                return
+            if left != said:
+                log(f"drain: {left} verdict stage(s) left on {queue}; the verdict workers judge them before they stop")
+                said = left
+            time.sleep(DRAIN_POLL_S)
+
+
+def stop_and_wait(procs: Sequence[ChildProcess]) -> None:
+    """SIGTERM to each that still runs (Celery's warm shutdown: a running job finishes first), then wait for all."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        proc.wait()
+
+
+def verdict_stages_left(queue: str) -> tuple[int, int]:
+    """Jobs whose verdict stage is still to run on the host of this verdict queue, and how many of them a verdict
+    worker holds (is judging) now."""
+    with new_session() as session:
+        counts = sa.select(sa.func.count(), sa.func.count(Job.lease_owner)).select_from(Job)
+        left, judging = session.execute(counts.where(Job.state == JobState.judging, Job.verdict_queue == queue)).one()
+    return int(left), int(judging)
 
 
 def log(message: str) -> None:

@@ -25,6 +25,7 @@ from shared.contracts.report import RunReport
 from shared.contracts.run import RUNNER_MODULE, RunRequest
 from shared.cores import CoreGroup, cpu_set, pin_environment
 from shared.db.models import Job
+from shared.isolation import RunAs
 from shared.jobs.outcomes import job_report
 from shared.processes import describe_exit, output_tail
 from shared.settings import Settings, child_environment
@@ -45,11 +46,15 @@ def supervise(
     keep_lease: Callable[[], bool],
     group: CoreGroup | None,
     secrets: dict[str, str] | None = None,
+    run_as: RunAs | None = None,
+    private: dict[str, str] | None = None,
 ) -> RunReport | None:
     """Run one stage to its end; None when the lease was lost (cancelled), so nothing is written.
 
     ``group`` pins the runner to a core group (the accelerator stage); None leaves it on the host's CPUs.
     ``secrets`` are the only secret variables the child gets (a gated model's HF_TOKEN, the judge's token).
+    ``run_as`` is the user it runs as, ``private`` what it is given instead of the shared directories (a run of
+    a repo's own code: shared.isolation).
     """
     assert request.report is not None and request.artifacts is not None
     log_path = request.artifacts / f"{request.stage.value}-runner.log"
@@ -63,19 +68,27 @@ def supervise(
         return job_report(job, Verdict.ERROR, error_class, message, core_range=core_range)
 
     request.report.unlink(missing_ok=True)
-    proc, refused = start_python(
-        RUNNER_MODULE,
-        request.to_argv(),
-        child_environment(settings, pin_environment(job.backend, group) if group else {}, secrets),
-        log_path,
-        own_group=True,  # one kill takes the runner and its children
-        cpus=cpu_set(group) if group and job.backend == "cpu" else None,
-        zygote=zygote_address(settings.data_dir, settings.host_name) if settings.zygote else None,
-    )
+    try:
+        proc, refused = start_python(
+            RUNNER_MODULE,
+            request.to_argv(),
+            child_environment(
+                settings, (pin_environment(job.backend, group) if group else {}) | (private or {}), secrets
+            ),
+            log_path,
+            own_group=True,  # one kill takes the runner and its children
+            cpus=cpu_set(group) if group and job.backend == "cpu" else None,
+            zygote=zygote_address(settings.data_dir, settings.host_name) if settings.zygote else None,
+            run_as=run_as,
+        )
+    except OSError as exc:  # the host's fault (an interpreter its runner user may not run): the row says so
+        who = run_as.name if run_as else "the worker's user"
+        return failed(ErrorClass.internal, f"the {request.stage.value} runner could not start as {who}: {exc}")
     how = "forked by the zygote" if not isinstance(proc, subprocess.Popen) else f"a fresh interpreter{refused or ''}"
     logger.info(
-        "starting runner: job %s, %s stage: %s (pid %s, %s)",
+        "starting runner: job %s, %s stage: %s (pid %s, %s, as %s)",
         job.id, request.stage.value, shlex.join(runner_command(request)), proc.pid, how,
+        run_as.name if run_as else "the worker's user",
     )  # fmt: skip
     try:
         while True:

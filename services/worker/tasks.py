@@ -32,6 +32,7 @@ from shared.contracts.run import RunRequest
 from shared.db.engine import DB_ERRORS, new_session, session_scope
 from shared.db.models import Job, Sweep, utcnow
 from shared.hub.client import HubUnavailable
+from shared.isolation import RunAs, Sandbox, give, isolation
 from shared.jobs.broker import (
     EXPORT_WINDOW_S,
     PendingExports,
@@ -143,6 +144,20 @@ def accelerator_secrets(job: Job, settings: Settings, hub_read_token: str | None
     return secrets
 
 
+def stage_user(artifacts: Artifacts, settings: Settings, runs_repo_code: bool) -> tuple[RunAs | None, dict[str, str]]:
+    """Who runs a stage, and what it is given instead of the shared directories. A stage that runs the repo's own
+    code (both stages of a trust_remote_code job; never the judge) runs as the sandbox user, with a compile cache,
+    Hub cache and home of its job's own (shared.isolation.Sandbox); the job's artifacts are given to the user."""
+    users = isolation(settings)
+    user = users.user_for(runs_repo_code) if users else None
+    sandbox = Sandbox(artifacts.root / "sandbox")
+    if runs_repo_code:
+        sandbox.create(user)
+    if user is not None:
+        give(artifacts.root, user)
+    return user, sandbox.environment() if runs_repo_code else {}
+
+
 def _stage_request(job: Job, stage: Stage, artifacts: Artifacts, core_range: str | None = None) -> RunRequest:
     """What a stage's runner is asked: the test the job names (its columns of the request's reproducible fields),
     at the commit it was sized at, and where this stage's files go."""
@@ -167,7 +182,9 @@ def run_job(self: Any, job_id: int) -> str:
     artifacts.root.mkdir(parents=True)
     request = _stage_request(job, Stage.accelerator, artifacts, core_range=str(group))
     secrets = accelerator_secrets(job, settings, hub_token())
-    report = supervise(request, job, settings, _lease_keeper(job_id, owner, settings), group, secrets)
+    user, private = stage_user(artifacts, settings, runs_repo_code=job.trust_remote_code)
+    keep_lease = _lease_keeper(job_id, owner, settings)
+    report = supervise(request, job, settings, keep_lease, group, secrets, user, private)
     if report is None:
         shutil.rmtree(artifacts.root, ignore_errors=True)
         return "lease lost: cancelled or taken over; nothing written"
@@ -198,7 +215,10 @@ def judge_job(self: Any, job_id: int) -> str:
     artifacts.verdict.unlink(missing_ok=True)  # a lost attempt's output is not this attempt's
     _hand_over_stored_reference(artifacts, settings)
     keep_lease = _lease_keeper(job_id, owner, settings)
-    report = supervise(_stage_request(job, Stage.verdict, artifacts), job, settings, keep_lease, None)
+    user, private = stage_user(artifacts, settings, runs_repo_code=job.trust_remote_code)
+    report = supervise(
+        _stage_request(job, Stage.verdict, artifacts), job, settings, keep_lease, None, None, user, private
+    )
     output = VerdictOutput.model_validate_json(artifacts.verdict.read_text()) if artifacts.verdict.exists() else None
     if output is not None and output.new_reference is not None:
         blob = artifacts.reference_prefill.read_bytes() if artifacts.reference_prefill.exists() else None
@@ -208,7 +228,8 @@ def judge_job(self: Any, job_id: int) -> str:
         # The judge's token goes to this process alone: it loads no tested checkpoint.
         secrets = {"SUPPORTMATRIX_JUDGE_TOKEN": settings.judge_token} if settings.judge_token else None
         request = _stage_request(job, Stage.judge, artifacts)
-        report = supervise(request, job, settings, keep_lease, None, secrets)
+        user, _ = stage_user(artifacts, settings, runs_repo_code=False)  # the judge's model is no repo's code
+        report = supervise(request, job, settings, keep_lease, None, secrets, user)
     if report is None:
         shutil.rmtree(artifacts.root, ignore_errors=True)
         return "lease lost: cancelled or taken over; nothing written"
@@ -231,6 +252,7 @@ def _hand_over_stored_reference(artifacts: Artifacts, settings: Settings) -> Non
 
 
 def _write_result(job_id: int, owner: str, report: RunReport, artifacts: Artifacts, settings: Settings) -> str:
+    shutil.rmtree(artifacts.root / "sandbox", ignore_errors=True)  # a repo-code run's caches: read by no other run
     written = durably(settings, lambda s: finish(s, job_id, owner, report))
     if written:
         request_export(app, [job_id])

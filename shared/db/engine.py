@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
+from pathlib import Path
 
 import sqlalchemy as sa
 from sqlalchemy.exc import InterfaceError, OperationalError
@@ -12,12 +14,26 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from shared.settings import get_settings
 
+
+def _private(database: str | None) -> None:
+    """The SQLite file readable by its owner alone (a runner runs as another user: shared.isolation); SQLite
+    creates its -wal and -shm files with the database's mode."""
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    path = Path(database)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    if path.stat().st_uid == os.geteuid():
+        path.chmod(0o600)
+
+
 # How a database that is down or unreachable shows itself: worth retrying, unlike a refused statement.
 DB_ERRORS = (OperationalError, InterfaceError)
 
 
 def make_engine(url: str, io_timeout_s: float = 10.0) -> sa.Engine:
     if url.startswith("sqlite"):
+        _private(sa.engine.make_url(url).database)
         engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 
         @sa.event.listens_for(engine, "connect")
