@@ -16,14 +16,32 @@ For 1 and 4 trn2.48xlarge hosts (64 cores each) it reports each strategy's makes
 bound ``max(total core-seconds / cores, longest job)``: one model at a time (as the public Space's script
 runs), fixed layouts (all 1-core; 8 x 8), and ours (the real planner re-planning on events) without and with
 the expected seconds per size (what the launcher reads from recent jobs; here, the sweep's own medians).
+
+The autoscaled fleet: the same sweep under two compiler versions (two images, each version's hosts its own
+fleet), from zero hosts, scaled by the trn2-autoscaled overlay's KEDA ScaledObject (``fleet.Autoscaler``: its
+polling, cooldown and scale-down settings read from the manifest, each new node ready ``NODE_START_S`` after the
+decision), against a static fleet of as many hosts, always up: makespan against the lower bound on the most
+hosts the scaler may hold, and the core-hours billed (every host's cores from its start to its stop) against
+those the jobs used.
 """
 
 from __future__ import annotations
 
 import csv
+from dataclasses import replace
 from pathlib import Path
 
-from bench.fleet import SimJob, SimResult, Timings, median_seconds_per_size, one_at_a_time, simulate
+from bench.fleet import (
+    NODE_START_S,
+    AutoscaledFleet,
+    Autoscaler,
+    SimJob,
+    SimResult,
+    Timings,
+    median_seconds_per_size,
+    one_at_a_time,
+    simulate,
+)
 from bench.report import Goal, Measure, Section
 from shared.hub.sizing import GIB, ModelShape, shape_from_config, size_model
 from shared.jobs.sweeps import expected_work
@@ -32,6 +50,7 @@ DATA = Path(__file__).resolve().parent / "data" / "hub_models.csv"
 CORES_PER_HOST = 64
 CORE_MEMORY = 24 * GIB
 GOAL = 1.10
+AUTOSCALED_COMPILERS = ("2.21.18209.0", "2.22.12471.0")  # two images' neuronx-cc versions, one sweep each
 
 
 def shape(row: dict[str, str]) -> ModelShape:
@@ -91,6 +110,49 @@ def strategies(ranked: list[SimJob], hosts: int) -> dict[str, SimResult]:
     }
 
 
+def autoscaled(ranked: list[SimJob]) -> tuple[SimResult, SimResult, Autoscaler]:
+    """The sweep under every ``AUTOSCALED_COMPILERS`` version on the autoscaled fleet, and on a static fleet of
+    the scaler's most hosts (the versions' hosts in turn)."""
+    jobs = [replace(j, name=f"{j.name}@{c}", compiler=c) for c in AUTOSCALED_COMPILERS for j in enqueue_order(ranked)]
+    scaler = Autoscaler.from_scaled_object()
+    durations = median_seconds_per_size(jobs)
+    scaled = AutoscaledFleet(jobs, scaler, CORES_PER_HOST, Timings(), durations, AUTOSCALED_COMPILERS).run()
+    static = simulate(jobs, scaler.max_hosts, CORES_PER_HOST, Timings(), durations, compilers=AUTOSCALED_COMPILERS)
+    return scaled, static, scaler
+
+
+def autoscaled_lines(ranked: list[SimJob]) -> tuple[list[str], Measure]:
+    scaled, static, scaler = autoscaled(ranked)
+    lines = [
+        f"\nThe autoscaled fleet: the {len(ranked)} models that fit x {len(AUTOSCALED_COMPILERS)} compiler versions "
+        f"({scaled.jobs_run} jobs), from zero hosts; at most {scaler.max_hosts} hosts (`maxReplicaCount`), polling "
+        f"{scaler.polling_s:g} s, cooldown {scaler.cooldown_s:g} s, one host down per {scaler.scale_down_every_s:g} s "
+        f"after {scaler.stabilization_s:g} s of stable wishes, a node ready {NODE_START_S:g} s after the decision "
+        "(an assumption: `bench/fleet.py`).\n",
+        "| fleet | makespan | / lower bound | peak hosts | core-hours billed | core-hours used | used / billed |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in (("autoscaled (KEDA, 0 → max)", scaled), (f"static, {scaler.max_hosts} hosts always up", static)):
+        lines.append(
+            f"| {name} | {r.makespan_s / 3600:.2f} h | {r.ratio:.2f} | {r.peak_hosts} | {r.billed_core_s / 3600:,.0f} "
+            f"| {r.used_core_s / 3600:,.0f} | {100 * r.used_core_s / r.billed_core_s:.0f} % |"
+        )
+    lines.append(
+        "\nThe static fleet is billed until its last job ends (then scaled away by hand); the autoscaled one pays "
+        "for each node's start-up and the cooldown after the sweep, and gives nodes back as the queues empty."
+    )
+    measure = Measure(
+        measure="P1 autoscaled fleet: core-hours billed for one sweep x 2 compiler versions",
+        unit="core-h",
+        ours=scaled.billed_core_s / 3600,
+        baseline=static.billed_core_s / 3600,
+        baseline_name=f"static {scaler.max_hosts} hosts",
+        note=f"makespan {scaled.makespan_s / 3600:.2f} h ({scaled.ratio:.2f}x its lower bound) against "
+        f"{static.makespan_s / 3600:.2f} h static; used {scaled.used_core_s / 3600:,.0f} core-h",
+    )
+    return lines, measure
+
+
 def run(work: Path) -> Section:
     jobs, skipped = sweep_jobs()
     sizes = {s: sum(1 for j in jobs if j.cores == s) for s in sorted({j.cores for j in jobs})}
@@ -143,5 +205,8 @@ def run(work: Path) -> Section:
         "layouts leave out the jobs larger than their groups (the last column), so their makespan covers fewer "
         "cells."
     )
+    scaled_lines, scaled_measure = autoscaled_lines(jobs)
+    lines += scaled_lines
+    measures.append(scaled_measure)
     return Section(name="makespan", title="P1 — sweep makespan on a simulated trn2 fleet", measures=measures,
                    details="\n".join(lines))  # fmt: skip

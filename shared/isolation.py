@@ -7,7 +7,8 @@ Hub's credentials in their environments, the SQLite file, and the compile cache 
 created by ``scripts/setup.sh`` and the images:
 
 - ``SUPPORTMATRIX_RUNNER_USER`` (``supportmatrix-runner``) runs transformers' code. It owns the shared compile
-  cache, its home (``<data dir>/home/<user>``: the default Hub cache) and the artifacts of its job.
+  cache, its home (``<data dir>/home/<user>``), its Hub cache (``$HF_HOME/<user>`` where HF_HOME is set, else its
+  home's) and the artifacts of its job.
 - ``SUPPORTMATRIX_SANDBOX_USER`` (``supportmatrix-sandbox``) runs a repo's own code. It owns nothing shared: its
   run's compile cache, Hub cache and home are directories of its job's artifacts (``Sandbox``), never pulled
   into, never pushed from, read by no other run, and removed when the job's row is written.
@@ -90,31 +91,41 @@ def prepare(settings: Settings) -> str:
         why = "the worker is not root" if os.geteuid() != 0 else "SUPPORTMATRIX_RUNNER_USER is empty"
         return f"runners run as this worker's user, with its access ({why}): repo code is not isolated"
     shared = [settings.cache_path, settings.runner_home]
-    if "HF_HOME" in os.environ:  # the runners' Hub cache, as the operator placed it
-        shared.append(Path(os.environ["HF_HOME"]))
+    if settings.runner_hub_home is not None:  # the runners' Hub cache, where the operator placed HF_HOME
+        shared.append(settings.runner_hub_home)
     for path in shared:
         give(path, users.runner)
+    artifacts = settings.data_dir / "artifacts"
+    artifacts.mkdir(parents=True, exist_ok=True)
     for user in (users.runner, users.sandbox):
-        _check_runs(user)
-    (settings.data_dir / "artifacts").mkdir(parents=True, exist_ok=True)
+        _check_reaches(user, artifacts)
     return f"runners run as {users.runner.name}, a repo's own code as {users.sandbox.name}"
 
 
-def _check_runs(user: RunAs) -> None:
-    """``user`` can start this interpreter and import the project: a runner the worker starts as it would fail
-    at exec. Where not, the usual cause is an interpreter or a checkout under a directory only root may enter
-    (a venv made from a Python under /root)."""
-    probe = [sys.executable, "-c", "import shared.contracts"]
+# Exits 3 when the directory cannot be entered: the interpreter started and imported the project.
+REACH_PROBE = "import os, sys, shared.contracts; sys.exit(0 if os.access(sys.argv[1], os.X_OK) else 3)"
+
+
+def _check_reaches(user: RunAs, artifacts: Path) -> None:
+    """``user`` can start this interpreter, import the project and enter the artifacts directory — else each of
+    its runners would fail at its start. Where not, the usual cause is a directory above the interpreter, the
+    checkout or the data dir that only its owner may enter (a venv made from a Python under /root, a data dir
+    under pytest's or a user's private tmp)."""
+    probe = [sys.executable, "-c", REACH_PROBE, str(artifacts)]
     try:
         subprocess.run(probe, user=user.uid, group=user.gid, extra_groups=[], check=True, capture_output=True,
                        cwd="/", timeout=120)  # fmt: skip
     except (OSError, subprocess.SubprocessError) as exc:
-        stderr = getattr(exc, "stderr", b"") or b""
+        if isinstance(exc, subprocess.CalledProcessError) and exc.returncode == 3:
+            why = f"cannot enter {artifacts}"
+        else:
+            stderr = (getattr(exc, "stderr", b"") or b"").decode(errors="replace").strip()[-300:]
+            said = f"{type(exc).__name__}: {exc}" + (f"; {stderr}" if stderr else "")
+            why = f"cannot run {sys.executable} with this project ({said})"
         raise IsolationUnavailable(
-            f"the runner user {user.name} cannot run {sys.executable} with this project "
-            f"({type(exc).__name__}: {exc}{'; ' + stderr.decode(errors='replace').strip()[-300:] if stderr else ''}): "
-            "every directory above the interpreter and the checkout must be searchable by others (o+x). "
-            "scripts/setup.sh checks this; or set SUPPORTMATRIX_RUNNER_USER= to run runners as the worker's user"
+            f"the runner user {user.name} {why}: every directory above the interpreter, the checkout and the data dir "
+            "must be searchable by others (o+x; scripts/setup.sh sees to the first two), or set "
+            "SUPPORTMATRIX_RUNNER_USER= to run runners as the worker's user, with its access"
         ) from exc
 
 

@@ -182,6 +182,13 @@ class Settings(BaseSettings):
         """The runner user's home, in the data dir: its Hub cache unless HF_HOME says otherwise."""
         return self.data_dir / "home" / self.runner_user
 
+    @property
+    def runner_hub_home(self) -> Path | None:
+        """The runner user's Hub cache when the operator placed one (HF_HOME): a directory of its own in it, as the
+        API and the worker, as root, download into HF_HOME itself (a model's config for sizing) and would leave
+        the runner user entries it cannot write. None: its home's default."""
+        return Path(os.environ["HF_HOME"]) / self.runner_user if "HF_HOME" in os.environ else None
+
 
 @lru_cache
 def get_settings() -> Settings:
@@ -225,6 +232,8 @@ def child_environment(
     env["HF_TOKEN_PATH"] = str(settings.data_dir / "no-hub-token")
     if settings.isolates_runners:  # the runner user's own, not the worker's (shared.isolation)
         env |= {"HOME": str(settings.runner_home), "USER": settings.runner_user, "LOGNAME": settings.runner_user}
+        if settings.runner_hub_home is not None:
+            env["HF_HOME"] = str(settings.runner_hub_home)
     for name in RUNNER_SETTINGS:
         value = getattr(settings, name)
         if value is not None:

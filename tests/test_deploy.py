@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from testing.compose import NativeStack, load, read_env_file, referenced_variables
-from tests.conftest import PG_BASE, REDIS_BASE, ROOT, pg_url
+from tests.conftest import PG_BASE, REDIS_BASE, ROOT, RUN_DIR, pg_url
 from tests.test_metrics import assert_every_expression_returns_data, running_prometheus
 
 COMPOSE = ROOT / "docker-compose.yml"
@@ -246,11 +246,15 @@ def test_the_compose_stack_runs_a_job_as_local_processes(
 
     schema, database_url, redis_url = isolated_backends
     host = f"compose-{uuid.uuid4().hex[:6]}"
+    # The host runs as root, as its container does, so its runners run as the runner users (shared.isolation):
+    # its volumes must be reachable by them, which pytest's own tmp_path (0700) is not.
+    workdir = RUN_DIR / host
+    workdir.mkdir()
     hub_env = {"HF_ENDPOINT": os.environ["HF_ENDPOINT"]}  # the suite's Hub stand-in (the `hub` fixture)
     stack = NativeStack(
         load(COMPOSE, read_env_file(ENV_EXAMPLE)),
         profile="cpu",
-        workdir=tmp_path,
+        workdir=workdir,
         cwd=ROOT,
         provided={"postgres": database_url, "redis": redis_url},
         skipped={"prometheus", "grafana"},
@@ -289,7 +293,7 @@ def test_the_compose_stack_runs_a_job_as_local_processes(
             while (job := client.get(f"/jobs/{job['id']}").json())["state"] not in FINISHED:
                 assert time.monotonic() < deadline, f"job not finished: {job}\n{stack.services['host-cpu'].tail()}"
                 time.sleep(1)
-            assert job["state"] == "done", job
+            assert job["state"] == "done", (job["error_class"], job["error_message"], stack.services["host-cpu"].tail())
             assert job["verdict_queue"] == f"supportmatrix.verdict.{host}"
             [row] = client.get("/results", params={"model_id": "org/tiny-llama"}).json()["items"]
             assert row["result"] == "PASS" and row["neuronx_cc"] == eager[0], row
@@ -297,7 +301,7 @@ def test_the_compose_stack_runs_a_job_as_local_processes(
         with psycopg.connect(PG_BASE.replace("postgresql+psycopg", "postgresql")) as conn:
             stored = conn.execute(f"SELECT state FROM {schema}.jobs WHERE id = %s", (job["id"],)).fetchone()
         assert stored == ("done",)
-        exports = tmp_path / "volumes" / "exports"
+        exports = workdir / "volumes" / "exports"
         deadline = time.monotonic() + 60
         while not list(exports.rglob("*.parquet")):
             assert time.monotonic() < deadline, f"no export by the control worker\n{stack.services['control'].tail()}"

@@ -51,3 +51,23 @@ def test_fixed_layouts_leave_out_jobs_larger_than_their_groups() -> None:
 def test_the_hub_sweep_data_sizes_through_the_real_sizing() -> None:
     jobs, too_big = sweep_jobs()
     assert len(jobs) + too_big >= 200 and {j.cores for j in jobs} == {1, 2, 4, 8, 16}
+
+
+def test_the_autoscaled_fleet_starts_from_zero_runs_every_job_once_and_gives_its_hosts_back() -> None:
+    """The trn2-autoscaled overlay's ScaledObject drives the simulated scaler: no host before the first poll, none
+    ready before a node's start-up, every job once, and every host stopped (billed) once the queues are empty."""
+    scaler = fleet.Autoscaler.from_scaled_object(node_start_s=60.0)
+    assert scaler.max_hosts == 4 and scaler.cooldown_s == 900  # the manifest's maxReplicaCount, cooldownPeriod
+    jobs = [fleet.SimJob(f"{j.name}@{c}", j.cores, j.accelerator_s, j.verdict_s, compiler=c)
+            for c in ("a", "b") for j in BURST * 3]  # fmt: skip
+    jobs = [fleet.SimJob(f"{j.name}-{i}", j.cores, j.accelerator_s, j.verdict_s, compiler=j.compiler)
+            for i, j in enumerate(jobs)]  # fmt: skip
+    result = fleet.AutoscaledFleet(jobs, scaler, cores_per_host=8, timings=fleet.Timings(), compilers=("a", "b")).run()
+    assert sorted(result.ends) == sorted(result.starts) == sorted(j.name for j in jobs)
+    assert min(result.starts.values()) >= 60.0  # the first node's start-up
+    assert 2 <= result.peak_hosts <= scaler.max_hosts  # a host per compiler version at least
+    assert all(stop >= start for start, stop in result.hosts_up) and len(result.hosts_up) >= 2
+    assert result.billed_core_s >= result.used_core_s > 0
+    # each host's cores are billed from its start to its stop, the cooldown after the last job included
+    assert max(stop for _, stop in result.hosts_up) >= max(result.ends.values())
+    assert result.billed_core_s == sum(8 * (stop - start) for start, stop in result.hosts_up)

@@ -83,12 +83,12 @@ def test_late_faults_pass_the_verdict_and_are_caught_by_the_long_check_and_a_slo
 
 
 def test_benign_bf16_runs_of_the_fixtures_are_not_flagged_by_the_long_check(tiny_models: Path) -> None:
-    """bf16 reorders near ties late in a long generation: the fixtures' architectures (dense, MoE, GPT-2 with its
-    learned positions), one core each, keep their 32-token PASS and a long generation that is ok, whatever their first
-    divergence (Mixtral's is ok too: tests/test_sharding.py, over 2 ranks in bf16)."""
+    """bf16 reorders near ties late in a long generation: the fixtures' MoE and GPT-2 (its learned positions), one
+    core each, keep their 32-token PASS and a long generation that is ok, whatever their first divergence (Mixtral's
+    is ok too: tests/test_sharding.py, over 2 ranks in bf16)."""
     bf16 = {"SUPPORTMATRIX_CPU_DTYPE": "bfloat16", "SUPPORTMATRIX_PERF_ITERATIONS": "0"}
-    reports = runs(tiny_models, *((name, bf16) for name in ("tiny-qwen3", "tiny-gpt2", "tiny-qwen3-moe")))
-    assert [(r.verdict, r.long.long_generation) for r in reports] == [(Verdict.PASS, LongOutcome.ok)] * 3, [
+    reports = runs(tiny_models, *((name, bf16) for name in ("tiny-gpt2", "tiny-qwen3-moe")))
+    assert [(r.verdict, r.long.long_generation) for r in reports] == [(Verdict.PASS, LongOutcome.ok)] * 2, [
         r.long.long_reason for r in reports
     ]
 
