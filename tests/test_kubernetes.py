@@ -198,74 +198,78 @@ TRIGGER = {
         for kind, schema in SCALER_METADATA.items()
     ],
 }
-SCALED_OBJECT = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "keda.sh/v1alpha1"},
-        "kind": {"const": "ScaledObject"},
-        "metadata": METADATA,
-        "spec": {
-            "type": "object",
-            "required": ["scaleTargetRef", "triggers"],
-            "additionalProperties": False,
-            "properties": {
-                "scaleTargetRef": {
-                    "type": "object",
-                    "required": ["name"],
-                    "additionalProperties": False,
-                    "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"}, "name": NAME},
-                },
-                "minReplicaCount": {"type": "integer", "minimum": 0},
-                "maxReplicaCount": {"type": "integer", "minimum": 1},
-                "pollingInterval": {"type": "integer", "minimum": 1},
-                "cooldownPeriod": {"type": "integer", "minimum": 0},
-                "advanced": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "restoreToOriginalReplicaCount": {"type": "boolean"},
-                        # its behavior is checked against the HorizontalPodAutoscaler schema (hpa_of below)
-                        "horizontalPodAutoscalerConfig": {
-                            "type": "object",
-                            "additionalProperties": False,
-                            "properties": {"name": NAME, "behavior": {"type": "object"}},
-                        },
-                    },
-                },
-                "triggers": {"type": "array", "minItems": 1, "items": TRIGGER},
-            },
+
+
+def keda_kind(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of a KEDA object of ``kind`` whose spec is ``spec``'s (KEDA's CRDs are not in the Kubernetes
+    schemas kubernetes-validate holds)."""
+    return {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": "keda.sh/v1alpha1"},
+            "kind": {"const": kind},
+            "metadata": METADATA,
+            "spec": spec,
         },
-    },
-}
-TRIGGER_AUTHENTICATION = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "keda.sh/v1alpha1"},
-        "kind": {"const": "TriggerAuthentication"},
-        "metadata": METADATA,
-        "spec": {
-            "type": "object",
-            "required": ["secretTargetRef"],
-            "additionalProperties": False,
-            "properties": {
-                "secretTargetRef": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
+    }
+
+
+SCALED_OBJECT = keda_kind(
+    "ScaledObject",
+    {
+        "type": "object",
+        "required": ["scaleTargetRef", "triggers"],
+        "additionalProperties": False,
+        "properties": {
+            "scaleTargetRef": {
+                "type": "object",
+                "required": ["name"],
+                "additionalProperties": False,
+                "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"}, "name": NAME},
+            },
+            "minReplicaCount": {"type": "integer", "minimum": 0},
+            "maxReplicaCount": {"type": "integer", "minimum": 1},
+            "pollingInterval": {"type": "integer", "minimum": 1},
+            "cooldownPeriod": {"type": "integer", "minimum": 0},
+            "advanced": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "restoreToOriginalReplicaCount": {"type": "boolean"},
+                    # its behavior is checked against the HorizontalPodAutoscaler schema (hpa_of below)
+                    "horizontalPodAutoscalerConfig": {
                         "type": "object",
-                        "required": ["parameter", "name", "key"],
                         "additionalProperties": False,
-                        "properties": {"parameter": {"type": "string"}, "name": NAME, "key": {"type": "string"}},
+                        "properties": {"name": NAME, "behavior": {"type": "object"}},
                     },
-                }
+                },
             },
+            "triggers": {"type": "array", "minItems": 1, "items": TRIGGER},
         },
     },
-}
+)
+TRIGGER_AUTHENTICATION = keda_kind(
+    "TriggerAuthentication",
+    {
+        "type": "object",
+        "required": ["secretTargetRef"],
+        "additionalProperties": False,
+        "properties": {
+            "secretTargetRef": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["parameter", "name", "key"],
+                    "additionalProperties": False,
+                    "properties": {"parameter": {"type": "string"}, "name": NAME, "key": {"type": "string"}},
+                },
+            }
+        },
+    },
+)
 CUSTOM_KINDS = {
     ("keda.sh/v1alpha1", "ScaledObject"): SCALED_OBJECT,
     ("keda.sh/v1alpha1", "TriggerAuthentication"): TRIGGER_AUTHENTICATION,

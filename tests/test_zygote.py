@@ -19,11 +19,14 @@ from pathlib import Path
 import pytest
 
 from services.runner.specs import ChildOutcome, DescribeSpec, SpecFile
+from services.runner.zygote_server import child_user
+from shared.isolation import RunAs
 from shared.settings import child_environment, get_settings
 from shared.zygote_client import (
     EXIT_UNKNOWN,
     ZYGOTE_ENVIRONMENT,
     ForkedProcess,
+    ForkRequest,
     environment_mismatch,
     kill_group,
     socket_name,
@@ -191,3 +194,19 @@ def test_a_timeout_kills_the_forked_group_and_a_dead_zygote_loses_only_the_statu
         proc.wait(timeout=0.5)  # the zygote is gone; its child is not
     release(fifo2, out2)
     assert proc.wait(timeout=120) == EXIT_UNKNOWN and ChildOutcome.model_validate_json(out2.read_text()).ok
+
+
+def test_a_requester_of_another_user_gets_children_of_its_own_user_whatever_it_asks() -> None:
+    """The user a root zygote's child takes (services.runner.zygote_server.child_user): the one the zygote's own
+    user (the worker) names, or none; for any other requester (a runner asking for its ranks), that requester's
+    own — a runner that asks for root, or for another runner's user, does not get it."""
+    root = RunAs(name="root", uid=0, gid=0)
+    sandbox = RunAs(name="supportmatrix-sandbox", uid=995, gid=993)
+    asking = {"module": "services.runner.child", "args": [], "env": {}, "log": "/dev/null", "group": "new"}
+    worker = (os.getuid(), os.getgid())
+    assert child_user(ForkRequest(**asking, run_as=sandbox), worker) == sandbox
+    assert child_user(ForkRequest(**asking), worker) is None  # the zygote's own user
+    runner = (999, 995)
+    for asked in (root, sandbox, None):
+        got = child_user(ForkRequest(**asking, run_as=asked), runner)
+        assert got is not None and (got.uid, got.gid) == runner
