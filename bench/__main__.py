@@ -49,6 +49,7 @@ BENCHMARKS = {
         "issue 9: verdict thresholds (30 min)",
         ("--runs", "200", "--write", "--json", ".data/bench/verdict/runs.jsonl"),
     ),
+    "soak": Benchmark("bench.soak", False, "issue 23: the real stack under waves of jobs and faults (20 min + drain)"),
 }
 
 

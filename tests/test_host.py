@@ -129,3 +129,22 @@ def test_a_hosts_runtime_is_described_once_and_kept(tmp_path: Path) -> None:
         planned = default_runtime(configured)
         assert planned is not None and planned.compiler_name == described.compiler_name
         assert planned.compiler_version == described.compiler_version
+
+
+def test_a_launcher_that_loses_the_database_keeps_its_workers_and_goes_on() -> None:
+    """PostgreSQL refusing connections (a cut, a failover) is a step that plans nothing, not the launcher's end: an
+    uncaught error there left its forked workers orphaned and their cores unplanned (the soak bench found it)."""
+    from shared.processes import free_port
+
+    closed = f"postgresql+psycopg://127.0.0.1:{free_port()}/none?connect_timeout=2"
+    steps = (
+        "from services.worker.host import HostLauncher\nfrom shared.settings import get_settings\n"
+        "launcher = HostLauncher(get_settings(), total_cores=1)\n"
+        "print([launcher.step() for _ in range(3)], launcher.database_lost is not None)"
+    )
+    env = os.environ | {"SUPPORTMATRIX_DATABASE_URL": closed, "SUPPORTMATRIX_VERDICT_WORKERS": "0",
+                        "SUPPORTMATRIX_ZYGOTE": "false"}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", steps], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("[None, None, None] True"), done.stdout
+    assert done.stdout.count("plan: cannot read the backlog (OperationalError)") == 1, done.stdout  # once an outage

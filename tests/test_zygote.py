@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from services.runner.specs import ChildOutcome, DescribeSpec, SpecFile
-from services.runner.zygote_server import child_user
+from services.runner.zygote_server import Peer, child_user
 from shared.isolation import RunAs
 from shared.settings import child_environment, get_settings
 from shared.zygote_client import (
@@ -145,28 +145,39 @@ def test_a_secret_reaches_the_child_in_a_file_and_never_the_zygotes_memory(zygot
     assert proc.wait(timeout=120) == 0
 
 
-def test_a_forked_child_dies_with_the_process_that_asked_for_it(zygote: tuple[object, str, Path]) -> None:
-    """The worker killed outright takes its runner along (as a parent-death signal does for a fresh one)."""
-    _, address, tmp = zygote
-    fifo, _ = waiting_child(tmp, "orphan")
-    asker = subprocess.Popen(
+def asking_for(fifo: Path, log: Path, address: str) -> subprocess.Popen[bytes]:
+    """A process that asks the zygote for a child waiting on ``fifo``, prints the child's pid and sleeps."""
+    return subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time\nfrom pathlib import Path\nfrom shared.settings import child_environment, get_settings\n"
          "from shared.zygote_client import start_python\n"
          f"proc, _ = start_python({CHILD!r}, [{str(fifo)!r}], child_environment(get_settings(), {{}}), "
-         f"Path({str(tmp / 'orphan.log')!r}), own_group=True, zygote={address!r})\n"
+         f"Path({str(log)!r}), own_group=True, zygote={address!r})\n"
          "print(proc.pid, flush=True)\ntime.sleep(600)"],
         cwd=ROOT, stdout=subprocess.PIPE,
     )  # fmt: skip
+
+
+def gone(pid: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_forked_child_dies_with_the_process_that_asked_for_it(zygote: tuple[object, str, Path]) -> None:
+    """The worker killed outright takes its runner along (as a parent-death signal does for a fresh one)."""
+    _, address, tmp = zygote
+    fifo, _ = waiting_child(tmp, "orphan")
+    asker = asking_for(fifo, tmp / "orphan.log", address)
     assert asker.stdout is not None
     pid = int(asker.stdout.readline())
     os.kill(pid, 0)  # alive, waiting on its FIFO
     asker.send_signal(signal.SIGKILL)
     asker.wait()
-    deadline = time.monotonic() + 30
-    while Path(f"/proc/{pid}").exists():  # killed, and reaped by the zygote: no zombie stays
-        assert time.monotonic() < deadline, "the orphaned child is still there"
-        time.sleep(0.1)
+    assert gone(pid), "the orphaned child is still there"  # killed, and reaped by the zygote: no zombie stays
     # a requester gone before its answer: the zygote drops it and serves the next one
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as vanishing:
         vanishing.connect(socket_name(address))
@@ -177,6 +188,22 @@ def test_a_forked_child_dies_with_the_process_that_asked_for_it(zygote: tuple[ob
     assert refused is None
     release(fifo, out)
     assert proc.wait(timeout=120) == 0
+
+
+def test_a_forked_child_dies_with_its_requester_even_when_the_zygote_dies_with_it(tmp_path: Path) -> None:
+    """A launcher's whole process group SIGKILLed takes the worker and the zygote at once: nobody is left to see
+    the requester's connection close, and the child goes by itself (it watches its requester)."""
+    zygote_proc, address = start_zygote(tmp_path, "together")
+    fifo, _ = waiting_child(tmp_path, "left")
+    asker = asking_for(fifo, tmp_path / "left.log", address)
+    assert asker.stdout is not None
+    pid = int(asker.stdout.readline())
+    os.kill(pid, 0)  # alive, waiting on its FIFO
+    zygote_proc.kill()
+    asker.kill()
+    zygote_proc.wait()
+    asker.wait()
+    assert gone(pid), "the child outlived its requester and the zygote"
 
 
 def test_a_timeout_kills_the_forked_group_and_a_dead_zygote_loses_only_the_status(tmp_path: Path) -> None:
@@ -203,10 +230,10 @@ def test_a_requester_of_another_user_gets_children_of_its_own_user_whatever_it_a
     root = RunAs(name="root", uid=0, gid=0)
     sandbox = RunAs(name="supportmatrix-sandbox", uid=995, gid=993)
     asking = {"module": "services.runner.child", "args": [], "env": {}, "log": "/dev/null", "group": "new"}
-    worker = (os.getuid(), os.getgid())
+    worker = Peer(os.getpid(), os.getuid(), os.getgid())
     assert child_user(ForkRequest(**asking, run_as=sandbox), worker) == sandbox
     assert child_user(ForkRequest(**asking), worker) is None  # the zygote's own user
-    runner = (999, 995)
+    runner = Peer(1234, 999, 995)
     for asked in (root, sandbox, None):
         got = child_user(ForkRequest(**asking, run_as=asked), runner)
-        assert got is not None and (got.uid, got.gid) == runner
+        assert got is not None and (got.uid, got.gid) == (runner.uid, runner.gid)

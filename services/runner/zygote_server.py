@@ -22,15 +22,18 @@ import contextlib
 import json
 import os
 import runpy
+import select
 import selectors
 import signal
 import socket
 import struct
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from shared.isolation import RunAs
 from shared.processes import run_as_child
@@ -63,11 +66,17 @@ def preload() -> float:
     return time.monotonic() - started
 
 
-def peer_user(connection: socket.socket) -> tuple[int, int]:
-    """The requester's uid and gid, as the kernel says (SO_PEERCRED)."""
+class Peer(NamedTuple):
+    """The requester, as the kernel says (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_of(connection: socket.socket) -> Peer:
     creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, gid = struct.unpack("3i", creds)
-    return uid, gid
+    return Peer(*struct.unpack("3i", creds))
 
 
 def refusal(request: ForkRequest, zygote_env: dict[str, str]) -> str | None:
@@ -83,13 +92,29 @@ def refusal(request: ForkRequest, zygote_env: dict[str, str]) -> str | None:
     return environment_mismatch(zygote_env, request.env)
 
 
-def child_user(request: ForkRequest, peer: tuple[int, int]) -> RunAs | None:
+def child_user(request: ForkRequest, peer: Peer) -> RunAs | None:
     """Whom the child runs as: the requester's user, unless the requester is the zygote's own user (it may name
     any); None keeps the zygote's."""
-    uid, gid = peer
-    if uid == os.getuid():
+    if peer.uid == os.getuid():
         return request.run_as
-    return RunAs(name=str(uid), uid=uid, gid=gid)
+    return RunAs(name=str(peer.uid), uid=peer.uid, gid=peer.gid)
+
+
+def die_with_requester(pid: int) -> None:
+    """In the forked child: SIGKILL to its process group once the requester ends. The zygote kills a child whose
+    requester's connection closes, but not when it dies with it (a launcher's whole process group killed): a
+    runner left then would hold its cores and its job's artifacts beside the next launcher's run of that job. A
+    zygote that dies alone leaves its children running (their requesters read their reports)."""
+    try:
+        requester = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)  # gone before its child started
+
+    def wait() -> None:
+        select.select([requester], [], [])
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=wait, name="die-with-requester", daemon=True).start()
 
 
 def take(user: RunAs) -> None:
@@ -98,7 +123,7 @@ def take(user: RunAs) -> None:
     os.setuid(user.uid)
 
 
-def become(request: ForkRequest, log_fd: int | None, user: RunAs | None) -> None:
+def become(request: ForkRequest, log_fd: int | None, user: RunAs | None, requester: int) -> None:
     """In the forked child: what a fresh interpreter would be given, then the module as __main__. ``log_fd`` is
     None for a requester of another user: the child takes that user first, and opens its log and reads its
     secrets with that user's rights only (a root zygote never opens or removes a path such a requester names)."""
@@ -121,6 +146,7 @@ def become(request: ForkRequest, log_fd: int | None, user: RunAs | None) -> None
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the zygote's own handlers are not the child's
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.setpgid(0, 0 if request.group == "new" else request.group)
+    die_with_requester(requester)
     if request.cpus is not None:
         os.sched_setaffinity(0, request.cpus)
     os.environ.clear()
@@ -178,13 +204,13 @@ class Zygote:
             self.forget(connection)
 
     def answer(self, connection: socket.socket) -> None:
-        peer = peer_user(connection)
-        if peer[0] != os.getuid() and os.getuid() != 0:  # only root can give a child another user
+        peer = peer_of(connection)
+        if peer.uid != os.getuid() and os.getuid() != 0:  # only root can give a child another user
             raise PermissionError("another user asked")
         connection.settimeout(REQUEST_TIMEOUT_S)
         request = ForkRequest.model_validate_json(connection.makefile("rb").readline())
         user = child_user(request, peer)
-        own = peer[0] == os.getuid()  # a requester of the zygote's own user (the worker): trusted with paths
+        own = peer.uid == os.getuid()  # a requester of the zygote's own user (the worker): trusted with paths
         why = refusal(request, self.env)
         if why is not None:
             log(f"refused {request.module}: {why}")
@@ -201,7 +227,7 @@ class Zygote:
                 connection.close()
                 for child in self.children.values():
                     child.connection.close()
-                run_as_child(lambda: become(request, log_fd, user))
+                run_as_child(lambda: become(request, log_fd, user, peer.pid))
         finally:
             if log_fd is not None:
                 os.close(log_fd)

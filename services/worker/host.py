@@ -185,6 +185,7 @@ class HostLauncher:
         self.zygote_started_at = 0.0
         self.last_plan: HostPlan | None = None
         self.last_backlog: dict[int, int] | None = None
+        self.database_lost: float | None = None  # since when the backlog cannot be read
 
     def step(self) -> HostPlan | None:
         """One look: None while the backlog is still changing (a burst of submissions arrives over a few polls,
@@ -202,7 +203,16 @@ class HostLauncher:
             if proc.poll() is not None:  # died on its own: its group is free again, restarted below
                 del self.workers[group]
                 log(f"exit: worker on cores {group} ended on its own ({self.lifetime(group, proc)})")
-        backlog = read_backlog(self.settings)
+        try:
+            backlog = read_backlog(self.settings)
+        except DB_ERRORS as exc:  # the workers go on as they are, and so does this host; planned again once it answers
+            if self.database_lost is None:
+                log(f"plan: cannot read the backlog ({type(exc).__name__}); keeping the workers as they are")
+                self.database_lost = time.monotonic()
+            return None
+        if self.database_lost is not None:
+            log(f"plan: the database answers again, after {time.monotonic() - self.database_lost:.0f} s")
+            self.database_lost = None
         if backlog.jobs != self.last_backlog:
             self.last_backlog = backlog.jobs
             return None
