@@ -21,10 +21,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from bench.report import Goal, Measure, Section, summary
+from bench.report import Goal, Measure, Section, run_alone
 from services.runner.specs import AcceleratorSpec, ChildOutcome
 from shared.contracts.handoffs import AcceleratorData
 from shared.contracts.report import RunReport
@@ -143,11 +142,7 @@ on torch 2.13: the warm process dies with `AttributeError: '_Missing' object has
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="bench-compile-cache-") as tmp:
-        section = run(Path(tmp))
-    print(summary([section]))
-    print(section.details)
-    return 0 if all(m.met for m in section.measures) else 1
+    return run_alone(run, "bench-compile-cache-")
 
 
 if __name__ == "__main__":

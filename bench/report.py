@@ -9,6 +9,8 @@ table still lists every benchmark's last measures.
 from __future__ import annotations
 
 import re
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -145,3 +147,12 @@ def rewrite(path: Path, sections: list[Section], ran: list[Section], command: st
         write_section(path, SUMMARY_HEADING, body)
     for section in ran:
         write_section(path, f"## {section.title}", section_markdown(section))
+
+
+def run_alone(run: Callable[[Path], Section], prefix: str) -> int:
+    """A bench module run as a script: its section in a scratch directory, printed; 0 when every goal is met."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        section = run(Path(tmp))
+    print(summary([section]))
+    print(section.details)
+    return 0 if all(m.met for m in section.measures) else 1

@@ -66,9 +66,9 @@ from shared.jobs.lease import LeaseOwner
 from shared.jobs.queues import verdict_queue
 from shared.processes import free_port
 from testing.compose import NativeService
-from testing.hub_standin import HubStandin
+from testing.hub_standin import HubStandin, use_hub_standin
 from testing.redis_server import RedisServer
-from testing.services import ROOT, Started, admin_token, ensure_postgres, wait_until
+from testing.services import ROOT, Started, admin_token, ensure_postgres, short_leases, wait_until
 from testing.tcp_proxy import Cut, TcpProxy
 
 MINUTES_ENV = "SUPPORTMATRIX_SOAK_MINUTES"
@@ -84,12 +84,7 @@ SHARDED = ("tiny-llama", "tiny-qwen3")  # the checkpoints with a tensor-parallel
 # (the suite's faults use 6 s for one job at a time; here a backlog of processes shares the CPUs for minutes).
 LEASE_S, HEARTBEAT_S, RECONCILE_S, GRACE_S, STALE_S = 10, 1, 3, 6, 8
 SHORT = {
-    "SUPPORTMATRIX_LEASE_TIMEOUT_S": str(LEASE_S),
-    "SUPPORTMATRIX_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
-    "SUPPORTMATRIX_RECONCILE_EVERY_S": str(RECONCILE_S),
-    "SUPPORTMATRIX_QUEUE_GRACE_S": str(GRACE_S),
-    "SUPPORTMATRIX_WORKER_STALE_S": str(STALE_S),
-    "SUPPORTMATRIX_JOB_TIMEOUT_S": "300",
+    **short_leases(LEASE_S, HEARTBEAT_S, RECONCILE_S, GRACE_S, STALE_S),
     "SUPPORTMATRIX_CPU_COMPILE_BACKEND": "aot_eager",
     "SUPPORTMATRIX_PERF_ITERATIONS": "0",
     "SUPPORTMATRIX_LONG_GENERATION": "false",
@@ -389,15 +384,9 @@ def build_stack(work: Path, cleanup: contextlib.ExitStack) -> tuple[Stack, str]:
             "SUPPORTMATRIX_DATA_DIR": str(work / "data"),
             "SUPPORTMATRIX_DATABASE_URL": proxied,
             "SUPPORTMATRIX_REDIS_URL": redis.url(),
-            "HF_ENDPOINT": f"http://127.0.0.1:{hub_port}",  # before anything imports huggingface_hub
-            "HF_HOME": str(work / "hf-home"),
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-            "HF_HUB_DISABLE_XET": "1",
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         }
     )
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
-        os.environ.pop(name, None)
+    use_hub_standin(f"http://127.0.0.1:{hub_port}", work / "hf-home")
     get_settings.cache_clear()
     build(work / "models", list(CHECKPOINTS))
     hub = HubStandin(port=hub_port).start()

@@ -15,12 +15,11 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from bench import checkpoints
-from bench.report import Goal, Measure, Section, summary
+from bench.report import Goal, Measure, Section, run_alone
 from shared.contracts.report import RunReport
 from shared.results.cells import THROUGHPUT_NOISE_BAND
 
@@ -97,11 +96,7 @@ it). On trn2 the accelerator's share shrinks (its decode is fast) and the refere
 
 
 def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="bench-tiers-") as tmp:
-        section = run(Path(tmp))
-    print(summary([section]))
-    print(section.details)
-    return 0 if all(m.met for m in section.measures) else 1
+    return run_alone(run, "bench-tiers-")
 
 
 if __name__ == "__main__":

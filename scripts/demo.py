@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from shared.processes import free_port  # noqa: E402
+from testing.hub_standin import use_hub_standin  # noqa: E402
 from testing.services import CLI, Started, admin_token, ensure_redis, spawn, wait_until  # noqa: E402
 
 DEMO_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-qwen3-moe")
@@ -48,20 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(data_dir, ignore_errors=True)
     data_dir.mkdir(parents=True)
     hub_port, api_port = free_port(), free_port()
-    # Before anything imports huggingface_hub: it reads HF_ENDPOINT once, at import.
     os.environ.update(
-        {
-            "SUPPORTMATRIX_DATA_DIR": str(data_dir),
-            "SUPPORTMATRIX_CPU_COMPILE_BACKEND": args.compile_backend,
-            "HF_ENDPOINT": f"http://127.0.0.1:{hub_port}",
-            "HF_HOME": str(data_dir / "hf-home"),
-            "HF_HUB_DISABLE_TELEMETRY": "1",
-            "HF_HUB_DISABLE_XET": "1",
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        }
+        {"SUPPORTMATRIX_DATA_DIR": str(data_dir), "SUPPORTMATRIX_CPU_COMPILE_BACKEND": args.compile_backend}
     )
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
-        os.environ.pop(name, None)
+    use_hub_standin(f"http://127.0.0.1:{hub_port}", data_dir / "hf-home")
 
     from shared.settings import get_settings
 

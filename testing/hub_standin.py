@@ -42,6 +42,23 @@ _DTYPE_KEYS = {
 }
 
 
+def use_hub_standin(endpoint: str, hf_home: Path) -> None:
+    """This process and all it starts reach the Hub at ``endpoint`` (a stand-in), with a Hub cache of their own
+    and no token or offline switch from the machine's environment. Before anything imports huggingface_hub: it
+    reads HF_ENDPOINT once, at import."""
+    os.environ.update(
+        {
+            "HF_ENDPOINT": endpoint,
+            "HF_HOME": str(hf_home),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        }
+    )
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
+        os.environ.pop(name, None)
+
+
 @dataclass
 class FileEntry:
     path: str

@@ -33,6 +33,22 @@ def spawn(log: Path, *args: str, env: dict[str, str] | None = None) -> subproces
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)  # fmt: skip
 
 
+def short_leases(
+    lease_s: float, heartbeat_s: float, reconcile_s: float, grace_s: float, stale_s: float
+) -> dict[str, str]:
+    """The settings of a stack whose faults must show within seconds (the fault tests, the soak bench): a lost job
+    is found after ``lease_s`` and two reconciler periods, a lost message after ``grace_s``; a stage runs at most
+    five minutes (tiny checkpoints)."""
+    return {
+        "SUPPORTMATRIX_LEASE_TIMEOUT_S": str(lease_s),
+        "SUPPORTMATRIX_HEARTBEAT_INTERVAL_S": str(heartbeat_s),
+        "SUPPORTMATRIX_RECONCILE_EVERY_S": str(reconcile_s),
+        "SUPPORTMATRIX_QUEUE_GRACE_S": str(grace_s),
+        "SUPPORTMATRIX_WORKER_STALE_S": str(stale_s),
+        "SUPPORTMATRIX_JOB_TIMEOUT_S": "300",
+    }
+
+
 def admin_token(name: str) -> str:
     """A token made as an operator makes one: `supportmatrix tokens create` prints it on stdout, once."""
     command = [str(CLI), "tokens", "create", name, "--scope", "admin"]

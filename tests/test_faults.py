@@ -44,7 +44,7 @@ from shared.processes import free_port
 from shared.settings import Settings
 from testing.netns import NetnsHost
 from testing.redis_server import RedisServer
-from testing.services import port_answers
+from testing.services import port_answers, short_leases
 from testing.tcp_proxy import Cut, TcpProxy
 from tests.conftest import PG_BASE, ROOT, RUN_DIR
 from tests.test_stages import frozen, runner_starts, stage_runner
@@ -67,12 +67,7 @@ HOST = "faults"  # this stack's host: its verdict queue is supportmatrix.verdict
 SWEEPS = {"aof": ["tiny-gpt2"], "volatile": ["tiny-gpt2", "tiny-qwen3"]}
 SWEPT = [f"{ORG}/swept-{case}-{i}" for case, models in SWEEPS.items() for i in range(1, len(models) + 1)]
 SHORT = {
-    "SUPPORTMATRIX_LEASE_TIMEOUT_S": str(LEASE_S),
-    "SUPPORTMATRIX_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
-    "SUPPORTMATRIX_RECONCILE_EVERY_S": str(RECONCILE_S),
-    "SUPPORTMATRIX_QUEUE_GRACE_S": str(GRACE_S),
-    "SUPPORTMATRIX_WORKER_STALE_S": str(STALE_S),
-    "SUPPORTMATRIX_JOB_TIMEOUT_S": "300",
+    **short_leases(LEASE_S, HEARTBEAT_S, RECONCILE_S, GRACE_S, STALE_S),
     "SUPPORTMATRIX_CPU_COMPILE_BACKEND": "eager",
     "SUPPORTMATRIX_HOST_NAME": HOST,
     "SUPPORTMATRIX_REMOTE_CODE_ORGS": json.dumps([ORG]),
