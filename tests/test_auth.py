@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from services.api.deps import get_rate_limiter
 from services.api.ratelimit import RateLimiter
-from shared.auth.tokens import LAST_USE_RESOLUTION, authenticate, create_token, revoke_token
+from shared.auth.tokens import CHECK_SNAPSHOT_S, LAST_USE_RESOLUTION, authenticate, create_token, revoke_token
 from shared.contracts.enums import Scope
 from shared.db.engine import new_session, session_scope
 from shared.db.models import ApiToken, utcnow
@@ -84,6 +84,19 @@ def test_an_unknown_or_revoked_token_is_401_invalid_token(anonymous: TestClient)
         response = anonymous.delete(MISSING_JOB, headers=bearer(presented))
         assert response.status_code == 401
         assert response.headers["www-authenticate"] == 'Bearer error="invalid_token"'
+
+
+def test_a_token_revoked_by_another_process_is_refused_once_the_check_snapshot_has_aged(
+    anonymous: TestClient,
+) -> None:
+    name, token = new_token(Scope.submit)
+    assert anonymous.delete(MISSING_JOB, headers=bearer(token)).status_code == 404  # its check is now kept
+    # Revoked the way another process (the CLI) does: in SQL, which this process's snapshot does not hear of.
+    with session_scope() as session:
+        session.execute(sa.update(ApiToken).where(ApiToken.name == name).values(revoked_at=utcnow()))
+    time.sleep(CHECK_SNAPSHOT_S)
+    refused = anonymous.delete(MISSING_JOB, headers=bearer(token))
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == 'Bearer error="invalid_token"'
 
 
 def test_a_submit_token_may_submit_and_cancel_but_not_force_or_sweep(anonymous: TestClient) -> None:

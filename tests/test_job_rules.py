@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from shared.hub.client import ResolvedModel
 from shared.jobs.attempts import attempts
 from shared.jobs.lease import Claim, acquire_lease, heartbeat, release_for_verdict
 from shared.jobs.outcomes import JobFinished, JobNotFound, NotYourJob, cancel, finish, settle
-from shared.jobs.runtimes import NoRuntime, UnknownCompiler, plan_runtimes, served_runtimes
+from shared.jobs.runtimes import RUNTIMES_SNAPSHOT_S, NoRuntime, UnknownCompiler, plan_runtimes, served_runtimes
 from shared.jobs.submission import submit
 from shared.settings import Settings
 from tests.history import report_of
@@ -174,21 +175,36 @@ def test_submission_deduplicates_and_the_database_refuses_a_second_active_job(se
         session.flush()
 
 
-def test_runtimes_come_from_live_workers_else_the_default(session: Session, settings: Settings) -> None:
+def live_worker(name: str, version: str, beat: dt.datetime | None = None, torch: str = "2") -> Worker:
+    return Worker(name=name, host="h", pid=1, backend="cpu", compiler_name="c", compiler_version=version,
+                  library="transformers", library_version="5", torch_version=torch, cores="0", core_count=1,
+                  queue="q", heartbeat_at=beat or utcnow())  # fmt: skip
+
+
+def test_without_a_live_worker_the_default_runtime_is_planned(session: Session, settings: Settings) -> None:
     with pytest.raises(NoRuntime):
         plan_runtimes(session, settings.model_copy(update={"backend": "neuron"}), None)
     default = plan_runtimes(session, settings.model_copy(update={"default_compiler": "x-1"}), None)
     assert [r.compiler_version for r in default] == ["x-1"]
-    for name, version, beat in [("a", "c-1", utcnow()), ("b", "c-2", utcnow() - dt.timedelta(hours=1))]:
-        session.add(
-            Worker(name=name, host="h", pid=1, backend="cpu", compiler_name="c", compiler_version=version,
-                   library="transformers", library_version="5", torch_version="2", cores="0", core_count=1,
-                   queue="q", heartbeat_at=beat)
-        )  # fmt: skip
+
+
+def test_runtimes_come_from_live_workers_not_stale_ones(session: Session, settings: Settings) -> None:
+    session.add_all([live_worker("a", "c-1"), live_worker("b", "c-2", utcnow() - dt.timedelta(hours=1))])
     session.flush()
     assert [r.compiler_version for r in plan_runtimes(session, settings, None)] == ["c-1"]
     with pytest.raises(UnknownCompiler, match="'c-2' is not served"):
         plan_runtimes(session, settings, ["c-2"])
+
+
+def test_a_newly_live_workers_runtime_is_served_once_the_snapshot_has_aged(
+    session: Session, settings: Settings
+) -> None:
+    with_default = settings.model_copy(update={"default_compiler": "x-1"})
+    assert [r.compiler_version for r in plan_runtimes(session, with_default, None)] == ["x-1"]
+    session.add(live_worker("a", "c-1"))
+    session.flush()
+    time.sleep(RUNTIMES_SNAPSHOT_S)  # the live workers read above (none) are kept this long
+    assert [r.compiler_version for r in plan_runtimes(session, with_default, None)] == ["c-1"]
 
 
 def test_each_compiler_and_library_is_served_by_the_runtime_of_its_first_live_worker(
@@ -196,11 +212,7 @@ def test_each_compiler_and_library_is_served_by_the_runtime_of_its_first_live_wo
 ) -> None:
     # (name, compiler version, torch version): "b" and "d" share c-1 with "a" but differ in torch.
     for name, version, torch in [("d", "c-1", "t-3"), ("c", "c-2", "t-1"), ("b", "c-1", "t-2"), ("a", "c-1", "t-1")]:
-        session.add(
-            Worker(name=name, host="h", pid=1, backend="cpu", compiler_name="c", compiler_version=version,
-                   library="transformers", library_version="5", torch_version=torch, cores="0", core_count=1,
-                   queue="q")
-        )  # fmt: skip
+        session.add(live_worker(name, version, torch=torch))
     session.flush()
     served = served_runtimes(session, settings)
     assert [(r.compiler_version, r.torch_version) for r in served] == [("c-1", "t-1"), ("c-2", "t-1")]

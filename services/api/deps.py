@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from celery import Celery
 from fastapi import Depends, HTTPException, Query, Request, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field
 from sqlalchemy.orm import Session
@@ -16,36 +17,59 @@ from sqlalchemy.orm import Session
 from services.api.errors import forbidden, rate_limited, unauthorized
 from services.api.hub_pool import HubPool
 from services.api.ratelimit import RateLimiter
-from shared.auth.tokens import Caller, authenticate
+from shared.auth.tokens import Caller, recent_caller
 from shared.contracts.enums import Scope
 from shared.db.engine import new_session
 from shared.jobs.broker import get_producer
 from shared.results.cells import DIFF_CURSOR_PATTERN, DiffKey, decode_cursor
 from shared.settings import Settings, get_settings
 
+T = TypeVar("T")
 
-def get_session() -> Iterator[Session]:
-    with new_session() as session:
+
+async def get_session() -> AsyncIterator[Session]:
+    """The request's session, opened on the event loop (that needs no I/O; a sync dependency would cost a hop to the
+    thread pool each way). Closed there too unless it is still in a transaction, whose connection is rolled back
+    when given back to the pool: that close runs in the thread pool."""
+    session = new_session()
+    try:
         yield session
+    finally:
+        if session.in_transaction():
+            await run_in_threadpool(session.close)
+        else:
+            session.close()
 
 
-@lru_cache
-def get_rate_limiter() -> RateLimiter:
+def _built_once(build: Callable[[], T]) -> Callable[[], Awaitable[T]]:
+    """A dependency answering the one object ``build`` makes in this process. Async: building it does no I/O,
+    and a sync dependency would cost every request a hop to the thread pool and back."""
+    built = lru_cache(build)
+
+    async def dependency() -> T:
+        return built()
+
+    return dependency
+
+
+def _rate_limiter() -> RateLimiter:
     settings = get_settings()
     return RateLimiter(settings.redis_url, settings.api_rate_limit, settings.api_rate_window_s)
 
 
-@lru_cache
-def get_scan_limiter() -> RateLimiter:
+def _scan_limiter() -> RateLimiter:
     settings = get_settings()
     return RateLimiter(settings.redis_url, settings.api_scan_rate_limit, settings.api_rate_window_s)
 
 
-@lru_cache
-def get_hub_pool() -> HubPool:
+def _hub_pool() -> HubPool:
     settings = get_settings()
     return HubPool(settings.api_hub_lookups, settings.api_hub_wait_s)
 
+
+get_rate_limiter = _built_once(_rate_limiter)
+get_scan_limiter = _built_once(_scan_limiter)
+get_hub_pool = _built_once(_hub_pool)
 
 SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -66,11 +90,12 @@ def get_caller(
     """The caller of a write route: 401 without a valid token, 429 when its rate limit is spent."""
     if credentials is None:
         raise unauthorized("this route needs a bearer token (Authorization: Bearer <token>)")
-    caller = authenticate(session, credentials.credentials)
+    caller = recent_caller(session, credentials.credentials)
     if caller is None:
         raise unauthorized("the bearer token is unknown or revoked", invalid=True)
-    # Keeps the token's last use, when it was stamped, whatever the route does next; otherwise a commit with
-    # nothing written (no WAL flush) that ends the lookup's transaction before the route asks the Hub.
+    # Keeps the token's last use, when it was stamped, whatever the route does next; after a check in SQL with
+    # nothing written, ends its transaction (no WAL flush) before the route asks the Hub; after one served from
+    # the snapshot, there is no transaction and nothing is sent.
     session.commit()
     wait_s = limiter.wait_s(caller.key)
     if wait_s:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from collections.abc import Sequence
 
 import sqlalchemy as sa
+from cachetools import TTLCache, cached
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import CompilerName
@@ -35,15 +37,23 @@ def live_workers(session: Session, settings: Settings, now: dt.datetime | None =
 
 # The columns of a worker that make up its RuntimeInfo.
 RUNTIME_COLUMNS = [getattr(Worker, name) for name in RuntimeInfo.model_fields]
+# How long the live workers' runtimes are kept, per process and engine: every submission plans its jobs for
+# them, and they change only when a worker starts or stops (which heartbeats tell over worker_stale_s). A newly
+# live worker's runtime is served within this many seconds.
+RUNTIMES_SNAPSHOT_S = 1.0
 
 
-def served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
-    """Distinct runtimes of live workers, or the configured default when none is live.
+@cached(
+    TTLCache(maxsize=64, ttl=RUNTIMES_SNAPSHOT_S),
+    key=lambda session, settings: (session.get_bind().engine, settings.worker_stale_s),
+    lock=threading.Lock(),
+)
+def live_runtimes(session: Session, settings: Settings) -> tuple[RuntimeInfo, ...]:
+    """Distinct runtimes of live workers, as they were at most ``RUNTIMES_SNAPSHOT_S`` ago.
 
     An identity (``IDENTITY_VERSIONS``: compiler, library, TorchNeuron and runtime versions) is served by the
     runtime of its first live worker by name, in that order. Read as the distinct runtime columns (with the first
-    worker name of each), not as worker rows: a fleet has hundreds of workers and a handful of runtimes, and every
-    submission asks.
+    worker name of each), not as worker rows: a fleet has hundreds of workers and a handful of runtimes.
     """
     first_worker = sa.func.min(Worker.name)
     distinct = (
@@ -56,8 +66,14 @@ def served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
     for _, *columns in session.execute(distinct):
         runtime = RuntimeInfo(**dict(zip(RuntimeInfo.model_fields, columns, strict=True)))
         seen.setdefault(tuple(getattr(runtime, version) for version in IDENTITY_VERSIONS), runtime)
-    if seen:
-        return list(seen.values())
+    return tuple(seen.values())
+
+
+def served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
+    """The live workers' runtimes (``live_runtimes``), or the configured default when none is live."""
+    live = live_runtimes(session, settings)
+    if live:
+        return list(live)
     default = default_runtime(settings)
     return [default] if default else []
 

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import sqlalchemy as sa
 from pydantic import BaseModel, Field, create_model
 from pydantic.fields import FieldInfo
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import Verdict
@@ -134,7 +135,8 @@ def _record_sources() -> dict[str, sa.ColumnElement[Any]]:
 
 RECORD_SOURCES = _record_sources()
 # Records are read as plain rows of these columns: building a Job and a Result object per row (the ORM's
-# identity map, its instrumented attributes) cost more than the query itself (bench/api_scale.py).
+# identity map, its instrumented attributes) cost more than the query itself (bench/api_scale.py). They are read
+# through Core (``_records``), which hands the rows over as they come, not through the ORM's result handling.
 RECORD_SELECT = (
     sa.select(*(expression.label(name) for name, expression in RECORD_SOURCES.items()))
     .select_from(Result)
@@ -159,8 +161,17 @@ def _filters(
     return [column == value for column, value in wanted if value is not None]
 
 
+def _job_id_in(session: Session, job_ids: Sequence[int]) -> sa.ColumnElement[bool]:
+    """``jobs.id IN job_ids``; on PostgreSQL as one array parameter (``= ANY``): one statement text however many ids,
+    which psycopg converts once and the server prepares, rather than a parameter per id expanded on every call."""
+    if session.get_bind().dialect.name == "postgresql":
+        return Job.id == sa.any_(sa.literal(list(job_ids), postgresql.ARRAY(sa.Integer)))
+    return Job.id.in_(job_ids)
+
+
 def _records(session: Session, stmt: sa.Select[Any]) -> list[ResultRecord]:
-    return [ResultRecord.model_validate(dict(zip(COLUMNS, row, strict=True))) for row in session.execute(stmt)]
+    rows = session.connection().execute(stmt).all()  # one fetch for all of them, not one per row
+    return [ResultRecord.model_validate(dict(zip(COLUMNS, row, strict=True))) for row in rows]
 
 
 def query_results(
@@ -182,7 +193,7 @@ def query_results(
         stmt = stmt.where(Job.id < before_id)
     if job_ids is not None:
         order = {job_id: i for i, job_id in enumerate(job_ids)}
-        rows = _records(session, stmt.where(Job.id.in_(job_ids)))
+        rows = _records(session, stmt.where(_job_id_in(session, job_ids)))
         return sorted(rows, key=lambda r: order[r.job_id])
     stmt = stmt.order_by(Job.id.desc())
     if limit is not None:
@@ -206,7 +217,7 @@ def with_results(
         session.scalars(
             sa.select(Job.id)
             .join(Result, Result.job_id == Job.id)
-            .where(Job.id.in_(job_ids), *_filters(model_id, compiler, library, library_version, verdict))
+            .where(_job_id_in(session, job_ids), *_filters(model_id, compiler, library, library_version, verdict))
         )
     )
     return [job_id for job_id in job_ids if job_id in found]
