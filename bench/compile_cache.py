@@ -93,7 +93,8 @@ def run(work: Path) -> Section:
         measures.append(Measure(measure=measure, unit="s", ours=warm_s, baseline=cold_s, baseline_name="cold",
                                 goal=GOAL, note=note))  # fmt: skip
         rows.append(
-            f"| {case} | {cold.placement.parallelism} | {cold_s:.1f} s | {warm_s:.1f} s | {cold_s / warm_s:.1f}x | {floor} | "
+            f"| {case} | {cold.placement.parallelism} | {cold_s:.1f} s | {warm_s:.1f} s | {cold_s / warm_s:.1f}x | "
+            f"{floor} | "
             f"{len(pushed)} files, {sum(pushed) / 2**20:.0f} MiB | {cache_outcomes(cold_ranks)} | "
             f"{cache_outcomes(warm_ranks)} |"
         )
