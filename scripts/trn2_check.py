@@ -1,15 +1,18 @@
-"""The first-hour check of a new host: three runs of the runner, one per way a model is placed, and a table.
+"""The first-hour check of a new host: five runs of the runner, one per way a model is placed and task, and a table.
 
     python scripts/trn2_check.py [--backend neuron|cpu] [--models DIR] [--parallel]
 
 - one model that fits one core;
 - a dense model forced to tensor parallelism over 2 cores;
-- a MoE model over 4 cores with expert parallelism.
+- a MoE model over 4 cores with expert parallelism;
+- a sentence-transformers embedder (feature-extraction, its own pipeline) on one core;
+- a diffusers text-to-image pipeline on one core.
 
-By default the three are small real Hub models (downloaded through huggingface_hub: HF_TOKEN, HF_ENDPOINT,
-HF_HOME apply); with ``--models DIR`` they are the tiny checkpoints of ``python -m testing.tiny_models DIR``.
-Each run is ``python -m services.runner`` (the report is its last stdout line) on its own aligned core group
-(0, 2-3, 4-7: NEURON_RT_VISIBLE_CORES on neuron), so ``--parallel`` can run them at once. Prints the driver,
+By default the five are small real Hub models (downloaded through huggingface_hub: HF_TOKEN, HF_ENDPOINT,
+HF_HOME apply); with ``--models DIR`` they are the tiny checkpoints of ``python -m testing.tiny_models DIR`` and
+``python -m testing.tiny_pipelines DIR``. Each run is ``python -m services.runner`` (the report is its last
+stdout line) on its own aligned core group (0, 2-3, 4-7, 8, 9: NEURON_RT_VISIBLE_CORES on neuron), so
+``--parallel`` can run them at once. Prints the driver,
 runtime and compiler versions found, then verdict, cores, parallelism, wall, compile and peak memory per
 model, and exits 0 only when every run PASSes. `scripts/trn2-check.sh` runs this in the neuron image.
 """
@@ -40,14 +43,17 @@ from shared.installed import NEURON_RUNTIME_PACKAGE, debian_package_version, ins
 class Check:
     what: str
     hub_id: str  # a small real model
-    tiny: str  # its stand-in among testing.tiny_models
+    tiny: str  # its stand-in among testing.tiny_models and testing.tiny_pipelines
     cores: int
+    task: str = "text-generation"
 
 
 CHECKS = (
     Check("fits one core", "Qwen/Qwen3-0.6B", "tiny-llama", 1),
     Check("dense, TP over 2", "Qwen/Qwen3-1.7B", "tiny-qwen3", 2),
     Check("MoE, EP over 4", "ibm-granite/granite-3.1-1b-a400m-base", "tiny-qwen3-moe", 4),
+    Check("embedding", "sentence-transformers/all-MiniLM-L6-v2", "tiny-st-mean-normalize", 1, "feature-extraction"),
+    Check("text-to-image", "segmind/tiny-sd", "tiny-sd", 1, "text-to-image"),
 )
 
 
@@ -92,7 +98,7 @@ def command(check: Check, backend: str, models: Path | None) -> list[str]:
         argv += [f"local/{check.tiny}", "--local-dir", str(models / check.tiny)]
     else:
         argv += [check.hub_id]
-    return [*argv, "--backend", backend, "--cores", str(check.cores)]
+    return [*argv, "--backend", backend, "--cores", str(check.cores), "--task", check.task]
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,7 @@ def report_of(out: str) -> RunReport | None:
 
 
 def no_report(check: Check, backend: str, error_class: ErrorClass, message: str) -> RunReport:
-    subject = Subject(model_id=check.hub_id, task="text-generation", backend=backend)
+    subject = Subject(model_id=check.hub_id, task=check.task, backend=backend)
     return RunReport(subject=subject, verdict=Verdict.ERROR, failure=Failure(error_class=error_class,
                      error_message=message))  # fmt: skip
 
@@ -194,6 +200,8 @@ def calibration(runs: list[CheckRun]) -> list[dict[str, Any]]:
             "graphs_compiled": r.resources.graphs_compiled, "backend_graphs": r.resources.backend_graphs,
             "prefill_rel_error": r.comparison.prefill_rel_error, "routing_margin": r.comparison.routing_margin,
             "step_rel_errors": evidence.get("step_rel_errors"), "divergent_steps": evidence.get("divergent_steps"),
+            "similarity": r.comparison.similarity, "cosines": evidence.get("cosines"),
+            "image_psnr": r.comparison.image_psnr, "image_ssim": r.comparison.image_ssim,
             "runtime": r.runtime.model_dump(mode="json") if r.runtime else None,
         })  # fmt: skip
     return out

@@ -74,7 +74,7 @@ class Settings(BaseSettings):
         Literal[
             "perturb_shard", "skip_allreduce", "drop_layer", "swap_token", "swap_near_tie",
             "scale_shard_1pct", "scale_shard_10pct", "rotary_base", "zero_head", "cache_position", "late_corruption",
-            "late_nan", "slow_decode",
+            "late_nan", "slow_decode", "wrong_pooling",
         ]
         | None
     ) = None  # fmt: skip
@@ -96,7 +96,7 @@ class Settings(BaseSettings):
     # Sweeps: every sweep_every_s seconds (0: never by schedule), per task the top sweep_limit trending and
     # most-downloaded models, plus the pinned selection ("org/name" or "org/name:task").
     sweep_every_s: float = Field(0, ge=0)
-    sweep_tasks: list[str] = ["text-generation", "feature-extraction"]
+    sweep_tasks: list[str] = ["text-generation", "feature-extraction", "text-to-image"]
     sweep_limit: int = Field(20, ge=1, le=1000)
     sweep_selected: list[str] = []
     remote_code_orgs: list[str] = Field([], description="orgs whose trust_remote_code models are tested")

@@ -167,6 +167,16 @@ def tiny_models() -> Path:
 
 
 @pytest.fixture(scope="session")
+def pipelines() -> Path:
+    """The tiny sentence-transformers and diffusers repos (testing/tiny_pipelines.py)."""
+    from testing.tiny_pipelines import build
+
+    out = RUN_DIR / "pipelines"
+    build(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def hub(tiny_models: Path) -> Iterator[Any]:
     from testing.hub_standin import HubStandin
 

@@ -93,6 +93,13 @@ def test_the_real_minilm_passes_feature_extraction_through_the_api(api: Any, wor
     [row] = result_rows(api, model_id=MINILM)
     assert row["result"] == "PASS" and row["task"] == "feature-extraction"
     assert row["similarity"] >= 0.999 and "cosine" in row["verdict_reason"]
+    # its own sentence-transformers pipeline ran (modules.json: mean pooling, then a Normalize module)
+    assert (row["pipeline_library"], row["embedding_dim"], row["embedding_pooling"], row["embedding_normalized"]) == (
+        "sentence-transformers",
+        384,
+        "mean",
+        True,
+    )
 
 
 def test_pinned_workers_run_where_they_own_cores_and_side_by_side(api: Any, worker: Any, start_worker: Any) -> None:

@@ -317,23 +317,34 @@ def test_the_compose_stack_runs_a_job_as_local_processes(
 # --- the first-hour check ---------------------------------------------------------------------------------
 
 
-def test_the_trn2_check_passes_on_the_tiny_checkpoints_with_the_cpu_backend(tiny_models: Path, tmp_path: Path) -> None:
+def test_the_trn2_check_passes_on_the_tiny_checkpoints_with_the_cpu_backend(
+    tiny_models: Path, pipelines: Path, tmp_path: Path
+) -> None:
     """The first-hour check's own code path, with the cpu backend and no Docker: one model on one core, a dense
-    one tensor-parallel over 2, a MoE over 4 with expert parallelism — the suite's only 4-rank EP run. It prints
-    each rank's core and device, and leaves the file the verdict's calibration needs."""
+    one tensor-parallel over 2, a MoE over 4 with expert parallelism — the suite's only 4-rank EP run — then a
+    sentence-transformers embedder and a diffusers pipeline. It prints each rank's core and device, and leaves the
+    file the verdict's calibration needs."""
     calibration = tmp_path / "calibration.json"
+    models = tmp_path / "models"  # both builders' repos in one directory, as --models takes them
+    models.mkdir()
+    for repo in [*tiny_models.iterdir(), *pipelines.iterdir()]:
+        (models / repo.name).symlink_to(repo)
     done = subprocess.run(
-        ["bash", "scripts/trn2-check.sh", "--backend", "cpu", "--no-docker", "--models", str(tiny_models),
+        ["bash", "scripts/trn2-check.sh", "--backend", "cpu", "--no-docker", "--models", str(models),
          "--compile-backend", "aot_eager", "--parallel", "--calibration", str(calibration)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "torch: 2.13.0" in done.stdout
     rows = [line.split() for line in done.stdout.splitlines() if " PASS " in f" {line} "]
-    assert [(row[-6], row[-5]) for row in rows] == [("1", "none"), ("2", "tp"), ("4", "ep")], done.stdout
+    assert [(row[-6], row[-5]) for row in rows] == [("1", "none"), ("2", "tp"), ("4", "ep"), ("1", "none"),
+                                                    ("1", "none")], done.stdout  # fmt: skip
     assert "dense, TP over 2: rank 1 sees core 1, runs on cpu" in done.stdout
     assert "MoE, EP over 4: rank 3 sees core 1, runs on cpu" in done.stdout
     checks = json.loads(calibration.read_text())
-    assert [c["compile_path"] for c in checks] == ["forward"] * 3 and all(c["backend_graphs"] == 2 for c in checks)
-    assert all(len(c["step_rel_errors"]) == 32 and max(c["step_rel_errors"]) < 1e-3 for c in checks)  # fp32
+    text, (embedding, image) = checks[:3], checks[3:]
+    assert [c["compile_path"] for c in checks] == ["forward"] * 5 and all(c["backend_graphs"] == 2 for c in text)
+    assert all(len(c["step_rel_errors"]) == 32 and max(c["step_rel_errors"]) < 1e-3 for c in text)  # fp32
+    assert embedding["similarity"] >= 0.999 and len(embedding["cosines"]) == 5 and embedding["backend_graphs"] >= 1
+    assert image["image_psnr"] >= 40 and image["image_ssim"] >= 0.99 and image["backend_graphs"] >= 1
     assert checks[2]["routing_margin"] is not None and checks[0]["routing_margin"] is None

@@ -19,6 +19,14 @@ Two only the long generation can see (the 32-token run never gets that far):
   embedding zeroed), as a cache corrupted past a position would leave the model without what it wrote;
 - ``late_nan``: from there on, the input embedding is NaN.
 
+For embedding and image models (``inject_module``), on the encoder or the denoiser, and on a sentence-transformers
+pipeline's own modules:
+- ``drop_layer``: the last layer of the encoder, or the denoiser's last transformer block, passes its input through;
+- ``scale_shard_10pct``, ``scale_shard_1pct``, ``scale_shard@<s>``: the first attention output projection's last
+  half of input columns (a 2-way split's last shard) scaled by 1 + s;
+- ``wrong_pooling``: a sentence-transformers pipeline pools with another mode than its repo says (CLS for mean,
+  mean for anything else).
+
 Three act on generation instead, after the logits processors (what greedy picks from):
 - ``swap_token``: at decode step 4 greedy takes the token ranked 10th — a divergence that is no near tie;
 - ``swap_near_tie``: at the first step from 4 on whose two best scores are within 0.05 nats, greedy takes
@@ -40,9 +48,13 @@ MODEL_FAULTS = (
     *LATE_FAULTS,
 )  # fmt: skip
 GENERATION_FAULTS = ("swap_token", "swap_near_tie", "slow_decode")
+MODULE_FAULTS = ("drop_layer", *SCALED, "wrong_pooling")  # embedding and image models (scale_shard@<s> too)
+# Where each library keeps what the module faults change: the layers' containers, attention output projections.
+LAYER_CONTAINERS = (".layer", ".layers", ".transformer_blocks", ".blocks")
+OUTPUT_PROJECTIONS = ("attention.output.dense", "to_out.0", "o_proj", "out_proj")
 LATE_STEP = 100  # tokens past the prompt: far beyond the 32 the verdict reads, well inside the long generation
 SLOW_DECODE_S = 0.02
-FAULTS = MODEL_FAULTS + GENERATION_FAULTS
+FAULTS = tuple(dict.fromkeys(MODEL_FAULTS + GENERATION_FAULTS + MODULE_FAULTS))
 SWAP_STEP = 4
 SWAP_RANK = 10
 NEAR_TIE_NATS = 0.05
@@ -244,3 +256,31 @@ def scale_late_inputs(model: Any, position: int, factor: float) -> None:
         return forward(*args[1:], **kwargs)
 
     model.forward = scaled
+
+
+def inject_module(model: Any, fault: str) -> None:
+    """A module fault (``MODULE_FAULTS``) in an encoder or a denoiser, found by the names its library gives."""
+    import torch
+
+    named = dict(model.named_modules())
+    if fault == "drop_layer":
+        layers = [name for name in named if f".{name}".rpartition(".")[0].endswith(LAYER_CONTAINERS)
+                  and name.rpartition(".")[2].isdigit()]  # fmt: skip
+        if not layers:
+            raise ValueError(f"cannot find the layers of {type(model).__name__}")
+
+        def passed_through(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+        named[layers[-1]].register_forward_hook(passed_through, with_kwargs=True)
+    elif fault in SCALED or fault.startswith(SCALE_PREFIX):
+        scale = SCALED[fault] if fault in SCALED else float(fault.removeprefix(SCALE_PREFIX))
+        projection = next((m for n, m in named.items() if n.endswith(OUTPUT_PROJECTIONS)), None)
+        if projection is None:
+            raise ValueError(f"cannot find an attention output projection in {type(model).__name__}")
+        half = projection.weight.shape[1] // 2
+        with torch.no_grad():
+            projection.weight[:, half:] *= 1 + scale
+    elif fault != "wrong_pooling":  # the sentence-transformers task swaps its pooling module itself
+        raise ValueError(f"{fault} is not a fault of an embedding or image model; those are {MODULE_FAULTS}")

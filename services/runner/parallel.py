@@ -43,6 +43,13 @@ def choose_parallelism(config: Any, world_size: int, moe_mode: str) -> Paralleli
     return kind
 
 
+def whole(what: str, world_size: int) -> None:
+    """Refuse to split what the backend runs whole on one core (an encoder, a diffusers pipeline): the class says
+    so, rather than a guess at a split."""
+    if world_size > 1:
+        raise _unsupported(f"{what} runs whole on one core: no parallel plan splits it over {world_size} ranks")
+
+
 def _unsupported(reason: str) -> RunFailure:
     return RunFailure(ErrorClass.unsupported_parallelism, reason)
 

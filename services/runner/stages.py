@@ -21,7 +21,7 @@ from services.runner.launch import Budget, run_child, run_ranks
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks import get_task
 from services.runner.tasks.conclusion import Conclusion
-from shared.contracts.enums import ErrorClass, Stage, Verdict
+from shared.contracts.enums import SHARDED_TASKS, ErrorClass, Stage, Verdict
 from shared.contracts.handoffs import (
     AcceleratorData,
     AcceleratorOutput,
@@ -124,8 +124,8 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
         ranks = run_ranks(spec, AcceleratorData, env, budget, artifacts.root, pins)
         report.placement = ranks_placement([r.placement for r in ranks], backend.exclusive_cores)
     except RunFailure as failure:
-        too_large = failure.error_class == ErrorClass.too_large
-        return failed(report, failure, Verdict.SKIPPED if too_large else Verdict.ERROR)
+        unrunnable = failure.error_class in (ErrorClass.too_large, ErrorClass.unsupported_parallelism)
+        return failed(report, failure, Verdict.SKIPPED if unrunnable else Verdict.ERROR)
     data = ranks[0]  # rank 0's outputs; peak memory is the most any rank used
     data.resources.peak_memory_bytes = max(r.resources.peak_memory_bytes or 0 for r in ranks)
     data.resources.predicted_peak_bytes_per_core = report.resources.predicted_peak_bytes_per_core
@@ -133,6 +133,7 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
     assert runtime is not None and runtime.torch_version
     report.runtime, report.timings, report.resources = runtime, data.timings, data.resources
     report.performance = data.performance  # the verdict stage keeps it for a PASS only
+    report.output = data.output
     key = reference_key(
         request.model_id,
         checkpoint.content_id,
@@ -187,9 +188,10 @@ def choose_cores(request: RunRequest, shape: ModelShape, backend: Backend) -> in
     if request.cores:
         return int(request.cores)
     memory = default_core_memory_bytes(backend.name, backend.settings.core_memory_gib)
-    sizing = size_model(shape, memory, run_dtype=backend.dtype)
+    sizing = size_model(shape, memory, run_dtype=backend.dtype, task=request.task.value)
     if sizing.cores is None:
-        raise RunFailure(ErrorClass.too_large, sizing.reason)
+        whole = request.task not in SHARDED_TASKS  # no split is tried: the backend has none for it
+        raise RunFailure(ErrorClass.unsupported_parallelism if whole else ErrorClass.too_large, sizing.reason)
     return sizing.cores
 
 

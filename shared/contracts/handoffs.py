@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from shared.contracts.evidence import Evidence
-from shared.contracts.report import Performance, Placement, Resources, RunReport, Timings
+from shared.contracts.report import Output, Performance, Placement, Resources, RunReport, Timings
 from shared.contracts.run import LIBRARY, RuntimeInfo
 
 
@@ -24,10 +24,12 @@ class AcceleratorData(BaseModel):
     token_ids: list[int] | None = None  # text-generation
     text: str | None = None
     embeddings: list[list[float]] | None = None  # feature-extraction
+    image: list[list[list[float]]] | None = None  # text-to-image: height x width x RGB in [0, 1]
     finite: bool
     placement: Placement
     timings: Timings
     resources: Resources = Field(default_factory=Resources)
+    output: Output = Field(default_factory=Output)
     runtime: RuntimeInfo | None = None
     long_token_ids: list[int] | None = None  # the long generation's tokens (None: not run)
     long_finite: bool | None = None

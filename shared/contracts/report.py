@@ -46,6 +46,7 @@ class Timings(BaseModel):
     load_s: float | None = None
     compile_s: float | None = None  # the first call minus the second
     generate_s: float | None = None
+    denoise_step_s: float | None = None  # text-to-image: the median denoising step of the second call
 
 
 class Resources(BaseModel):
@@ -70,6 +71,8 @@ class Comparison(BaseModel):
     accelerator_loglik: float | None = None  # mean log-prob per token of its text under the reference
     reference_loglik: float | None = None
     similarity: float | None = None  # feature-extraction: the lowest cosine similarity to the reference
+    image_psnr: float | None = None  # text-to-image: the decoded image against the reference's (dB)
+    image_ssim: float | None = None  # and their structural similarity (1: the same image)
     routing_margin: float | None = None  # MoE: the reference's smallest top-k router margin at the prompt's end
     reference_reused: bool | None = None  # the CPU reference came from the stored runs
     generated_text: str | None = None
@@ -77,6 +80,21 @@ class Comparison(BaseModel):
     generated_token_ids: list[int] | None = None
     reference_token_ids: list[int] | None = None
     evidence: Annotated[dict[str, Any] | None, SqlOnly] = None  # per-step detail: scores, cosines
+
+
+class Output(BaseModel):
+    """What ran the task and the shape of what it produced, beyond the comparison: the library whose pipeline ran
+    (a sentence-transformers repo's own modules, a diffusers pipeline, or transformers alone), an embedding's
+    dimension, pooling and normalization as the repo defines them, and the image a pipeline drew."""
+
+    pipeline_library: Str32 | None = None  # transformers, sentence-transformers or diffusers
+    pipeline_library_version: Str64 | None = None
+    embedding_dim: Int32 | None = None
+    embedding_pooling: Str64 | None = None  # the pooling module's mode (cls, mean, max, ...), or mean without one
+    embedding_normalized: bool | None = None  # a Normalize module (or our mean pooling) L2-normalises embeddings
+    denoiser: Str64 | None = None  # the pipeline's compiled component: its class (a UNet or a transformer)
+    image_size: Int32 | None = None  # pixels a side
+    denoising_steps: Int32 | None = None
 
 
 class Performance(BaseModel):
@@ -148,6 +166,7 @@ class RunReport(BaseModel):
     timings: Timings = Field(default_factory=Timings)
     resources: Resources = Field(default_factory=Resources)
     comparison: Comparison = Field(default_factory=Comparison)
+    output: Output = Field(default_factory=Output)
     judge: JudgeAudit = Field(default_factory=JudgeAudit)
     placement: Placement = Field(default_factory=Placement)
     provenance: Provenance = Field(default_factory=Provenance)
@@ -162,6 +181,7 @@ ROW_PARTS: dict[str, type[BaseModel]] = {
     "timings": Timings,
     "resources": Resources,
     "comparison": Comparison,
+    "output": Output,
     "judge": JudgeAudit,
     "placement": Placement,
     "provenance": Provenance,

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.contracts.enums import SHARDED_TASKS, Task
+
 GIB = 1 << 30
 CORE_SIZES = (1, 2, 4, 8, 16)
 RUN_DTYPE = "bfloat16"  # trn2's, and cuda's
@@ -205,8 +207,15 @@ def split_refusal(shape: ModelShape, cores: int) -> str | None:
 
 
 def size_model(
-    shape: ModelShape, core_memory_bytes: int, sizes: tuple[int, ...] = CORE_SIZES, run_dtype: str = RUN_DTYPE
+    shape: ModelShape,
+    core_memory_bytes: int,
+    sizes: tuple[int, ...] = CORE_SIZES,
+    run_dtype: str = RUN_DTYPE,
+    task: str = Task.text_generation.value,
 ) -> Sizing:
+    """The fewest of ``sizes`` cores that hold the model; a task that runs whole (not in ``SHARDED_TASKS``) one."""
+    if Task(task) not in SHARDED_TASKS:
+        sizes = sizes[:1]
     weights = weight_bytes(shape, run_dtype)
     refusals = []
     for cores in sizes:
@@ -222,6 +231,8 @@ def size_model(
         f"needs {smallest / GIB:.1f} GiB per core even on {sizes[-1]} cores "
         f"({weights / GIB:.1f} GiB of weights; {core_memory_bytes / GIB:.0f} GiB per core)"
     )
+    if Task(task) not in SHARDED_TASKS:
+        reason += f"; {task} runs whole on one core"
     if shape.is_moe:
         replicated = weights * (1 - min(shape.expert_parameters / shape.parameters, 1.0)) if shape.parameters else 0
         reason += f"; {replicated / GIB:.1f} GiB of it outside the experts, on every core"
@@ -249,10 +260,13 @@ def is_expert_tensor(name: str) -> bool:
 
 
 def checkpoint_shape(directory: Path) -> ModelShape:
-    """The shape of a local checkpoint: safetensors headers and config.json, no tensor read."""
+    """The shape of a local checkpoint: safetensors headers and config.json, no tensor read. A diffusers pipeline
+    (``model_index.json``, no config.json) is the sum of its components' weights, one directory each."""
     dtypes: dict[str, int] = {}
     experts = 0
-    for path in sorted(directory.glob("*.safetensors")):
+    pipeline = not (directory / "config.json").exists() and (directory / "model_index.json").exists()
+    files = "*/*" if pipeline else "*"
+    for path in sorted(directory.glob(f"{files}.safetensors")):
         with path.open("rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
@@ -262,9 +276,9 @@ def checkpoint_shape(directory: Path) -> ModelShape:
             count = math.prod(tensor["shape"])
             dtypes[tensor["dtype"]] = dtypes.get(tensor["dtype"], 0) + count
             experts += count if is_expert_tensor(name) else 0
-    config = json.loads((directory / "config.json").read_text())
+    config = {} if pipeline else json.loads((directory / "config.json").read_text())
     if dtypes:
         return shape_from_config(sum(dtypes.values()), config, dtypes, expert_parameters=experts)
-    weights = [p for p in directory.glob("*.bin") if p.is_file()]
+    weights = [p for p in directory.glob(f"{files}.bin") if p.is_file()]
     parameters = parameters_from_file_sizes(sum(p.stat().st_size for p in weights), config_dtype(config))
     return shape_from_config(parameters, config)

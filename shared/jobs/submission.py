@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from shared.contracts.enums import ACTIVE_STATES, ErrorClass, JobState, Task, Verdict
+from shared.contracts.enums import ACTIVE_STATES, SHARDED_TASKS, ErrorClass, JobState, Task, Verdict
 from shared.contracts.run import IDENTITY_VERSIONS, RuntimeInfo
 from shared.db.models import Job
 from shared.hub import kinds
@@ -35,7 +35,10 @@ TASK_BY_PIPELINE = {
     "text-generation": Task.text_generation,
     "feature-extraction": Task.feature_extraction,
     "sentence-similarity": Task.feature_extraction,
+    "text-to-image": Task.text_to_image,
 }
+# A repo without a pipeline tag is tested as its library says, where the library has one task here.
+TASK_BY_LIBRARY = {"sentence-transformers": Task.feature_extraction, "diffusers": Task.text_to_image}
 
 
 class UnsupportedTask(ValueError):
@@ -58,6 +61,8 @@ def choose_task(model: ResolvedModel, requested: Task | None) -> Task:
     if requested is not None:
         return requested
     task = TASK_BY_PIPELINE.get(model.pipeline_tag or "")
+    if task is None and model.pipeline_tag is None:
+        task = TASK_BY_LIBRARY.get(model.library_name or "")
     if task is None:
         raise UnsupportedTask(
             f"{model.model_id} is tagged {model.pipeline_tag!r}, which has no test here; "
@@ -150,7 +155,7 @@ def submit_model(session: Session, settings: Settings, request: Request) -> list
     model = resolve_model(request.model_id, request.revision, fresh=request.fresh)
     task = choose_task(model, request.task)
     runtimes = plan_runtimes(session, settings, request.compilers)
-    cores, refusal = admit(model, settings, request.cores)
+    cores, refusal = admit(model, settings, request.cores, task)
     submitted = submit(session, model, request.revision, runtimes, force=request.force, task=task.value,
                        cores=cores or 1, submitted_by=request.submitted_by)  # fmt: skip
     if refusal is not None:
@@ -162,8 +167,11 @@ def submit_model(session: Session, settings: Settings, request: Request) -> list
     return submitted
 
 
-def admit(model: ResolvedModel, settings: Settings, cores: int | None) -> tuple[int | None, Refusal | None]:
-    """The cores a model runs on (``cores`` when forced, else sized), or why it gets a row without running."""
+def admit(
+    model: ResolvedModel, settings: Settings, cores: int | None, task: Task = Task.text_generation
+) -> tuple[int | None, Refusal | None]:
+    """The cores a model runs on (``cores`` when forced, else sized), or why it gets a row without running. A
+    diffusers pipeline is read from its ``model_index.json`` and sized by all its components' weights."""
     if kinds.is_adapter_only(model.files):
         return cores, kinds.adapter_refusal(model.model_id, adapter_base(model))
     refusal = kinds.format_refusal(model.model_id, model.files, model.library_name, model.tags)
@@ -174,7 +182,7 @@ def admit(model: ResolvedModel, settings: Settings, cores: int | None) -> tuple[
         reason = f"{model.model_id} needs trust_remote_code; {org} is not in SUPPORTMATRIX_REMOTE_CODE_ORGS"
         return cores, Refusal(Verdict.SKIPPED, ErrorClass.remote_code, reason)
     try:
-        config = read_json(model, "config.json")
+        config = read_json(model, "model_index.json" if task == Task.text_to_image else "config.json")
     except Gated as exc:
         return cores, Refusal(Verdict.SKIPPED, ErrorClass.gated, str(exc))
     except Unsizable as exc:
@@ -192,7 +200,9 @@ def admit(model: ResolvedModel, settings: Settings, cores: int | None) -> tuple[
     except Unsizable as exc:
         return None, Refusal(Verdict.ERROR, ErrorClass.unsizable, str(exc))
     memory = default_core_memory_bytes(settings.backend, settings.core_memory_gib)
-    sizing = size_model(shape, memory, run_dtype=run_dtype(settings.backend, settings.cpu_dtype))
+    sizing = size_model(shape, memory, run_dtype=run_dtype(settings.backend, settings.cpu_dtype), task=task.value)
     if sizing.cores is None:
-        return None, Refusal(Verdict.SKIPPED, ErrorClass.too_large, sizing.reason)
+        whole = task not in SHARDED_TASKS  # no split is tried: the backend has none for it
+        error_class = ErrorClass.unsupported_parallelism if whole else ErrorClass.too_large
+        return None, Refusal(Verdict.SKIPPED, error_class, sizing.reason)
     return sizing.cores, None

@@ -22,14 +22,12 @@ from shared.contracts.enums import JobState, SweepState, Task, Verdict
 from shared.db.models import Job, Result, Sweep, SweepEntry, utcnow
 from shared.hub.client import HubError, ModelNotFound, RevisionNotFound, list_top, resolve_model
 from shared.jobs.runtimes import NoRuntime, served_runtimes
-from shared.jobs.submission import Request, Submitted, submit_model
+from shared.jobs.submission import TASK_BY_PIPELINE, Request, Submitted, submit_model
 from shared.results.cells import CellStatus, cells
 from shared.settings import Settings
 
-PIPELINES = {
-    Task.text_generation.value: ["text-generation"],
-    Task.feature_extraction.value: ["feature-extraction", "sentence-similarity"],
-}
+# Each task's pipeline tags, as submission maps them: one ranking per task over all its tags.
+PIPELINES = {task.value: [tag for tag, tagged in TASK_BY_PIPELINE.items() if tagged == task] for task in Task}
 VIEWS = ("trending", "downloads")
 
 

@@ -9,6 +9,7 @@ from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpe
 from services.runner.tasks.conclusion import Conclusion
 from services.runner.tasks.feature_extraction import FeatureExtraction
 from services.runner.tasks.text_generation import TextGeneration
+from services.runner.tasks.text_to_image import TextToImage
 from shared.contracts.enums import Task
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 
@@ -33,7 +34,7 @@ class TaskRunner(Protocol):
         ...
 
 
-TASKS: dict[Task, TaskRunner] = {t.name: t for t in (TextGeneration(), FeatureExtraction())}
+TASKS: dict[Task, TaskRunner] = {t.name: t for t in (TextGeneration(), FeatureExtraction(), TextToImage())}
 
 
 def get_task(name: str) -> TaskRunner:

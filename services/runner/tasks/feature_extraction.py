@@ -1,17 +1,21 @@
 """feature-extraction: sentence embeddings of a fixed sentence set, accelerator vs CPU reference.
 
-Embeddings are the model's last hidden states mean-pooled over the attention mask and L2-normalised
-(what sentence-transformers does for MiniLM-style models). Verdict: PASS when every sentence's
-embedding has a cosine similarity to the reference's of at least the dtype's threshold — 0.999 in fp32
-(numeric noise is ~1e-6 there), 0.99 in bf16 (8 bits of mantissa through a deep encoder) — else FAIL.
+A repo that ships ``modules.json`` is a sentence-transformers pipeline: it runs through ``SentenceTransformer``
+itself — its own pooling, dense and normalization modules, on the accelerator, with the transformer's forward
+compiled by the backend — as its users run it. Any other encoder's embeddings are its last hidden states
+mean-pooled over the attention mask and L2-normalised. Verdict: PASS when every sentence's embedding has a cosine
+similarity to the reference's of at least the dtype's threshold (``shared.testconfig.SIMILARITY``), else FAIL.
 """
 
 from __future__ import annotations
 
+from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from services.runner import faults, parallel
 from services.runner.backends.base import Backend
 from services.runner.failures import phase
 from services.runner.measure import Stopwatch, accelerator_timings, compile_record
@@ -19,52 +23,100 @@ from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpe
 from services.runner.tasks.conclusion import Conclusion
 from shared.contracts.enums import ErrorClass, Parallelism, Task, Verdict
 from shared.contracts.handoffs import AcceleratorData, Artifacts
-from shared.contracts.report import Comparison, Resources
+from shared.contracts.report import Comparison, Output, Resources
 from shared.testconfig import SENTENCES, similarity_threshold
 
-
-def _embed(model: Any, inputs: dict[str, Any]) -> Any:
-    import torch
-
-    with torch.inference_mode():
-        hidden = model(**inputs).last_hidden_state.float()
-    mask = inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-    return torch.nn.functional.normalize(pooled, dim=-1).cpu()
+TEXT_POSITIONS = 32  # a transformers encoder's batch is padded to this length: static shapes
 
 
-def _load(model_dir: Any, backend: Backend, device: str, trust_remote_code: bool) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoModel, AutoTokenizer
+class Encoder:
+    """A loaded embedding model: ``embed()`` the test's sentences; ``network`` is the module the backend compiles."""
 
-    code = {"trust_remote_code": trust_remote_code}
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, **code)
-    model = AutoModel.from_pretrained(model_dir, dtype=getattr(torch, backend.dtype), **code).to(device).eval()
-    # Static shapes: one padded batch of fixed length.
-    inputs = tokenizer(SENTENCES, padding="max_length", max_length=32, truncation=True, return_tensors="pt")
-    return model, inputs.to(device)
+    def __init__(self, model_dir: Path, backend: Backend, device: str, trust_remote_code: bool) -> None:
+        import torch
+
+        dtype = getattr(torch, backend.dtype)
+        self.sentence_transformer: Any = None
+        if (model_dir / "modules.json").is_file():
+            from sentence_transformers import SentenceTransformer
+
+            self.sentence_transformer = SentenceTransformer(
+                str(model_dir), device=device, trust_remote_code=trust_remote_code, model_kwargs={"dtype": dtype}
+            )
+            self.network = self.sentence_transformer[0].auto_model
+            return
+        from transformers import AutoModel, AutoTokenizer
+
+        code = {"trust_remote_code": trust_remote_code}
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, **code)
+        self.network = AutoModel.from_pretrained(model_dir, dtype=dtype, **code).to(device).eval()
+        self.inputs = tokenizer(
+            SENTENCES, padding="max_length", max_length=TEXT_POSITIONS, truncation=True, return_tensors="pt"
+        ).to(device)
+
+    def embed(self) -> Any:
+        import torch
+
+        if self.sentence_transformer is not None:
+            encoded = self.sentence_transformer.encode(SENTENCES, batch_size=len(SENTENCES), convert_to_tensor=True)
+            return encoded.float().cpu()
+        with torch.inference_mode():
+            hidden = self.network(**self.inputs).last_hidden_state.float()
+        mask = self.inputs["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled, dim=-1).cpu()
+
+    def plant(self, fault: str) -> None:
+        """A planted fault (``faults.MODULE_FAULTS``): the module faults in the network; a wrong pooling mode."""
+        faults.inject_module(self.network, fault)
+        if fault == "wrong_pooling":
+            pooling = self._pooling()
+            if pooling is None:
+                raise ValueError("wrong_pooling needs a sentence-transformers pipeline with a pooling module")
+            pooling.pooling_mode = "cls" if pooling.pooling_mode == "mean" else "mean"
+
+    def _pooling(self) -> Any:
+        modules = list(self.sentence_transformer or [])
+        return next((m for m in modules if hasattr(m, "pooling_mode")), None)
+
+    def output(self) -> Output:
+        """The pipeline as the repo defines it (read before any fault changed it)."""
+        if self.sentence_transformer is None:
+            return Output(
+                pipeline_library="transformers",
+                pipeline_library_version=version("transformers"),
+                embedding_pooling="mean",
+                embedding_normalized=True,
+            )
+        pooling = self._pooling()
+        normalized = any(type(m).__name__ == "Normalize" for m in self.sentence_transformer)
+        return Output(
+            pipeline_library="sentence-transformers",
+            pipeline_library_version=version("sentence-transformers"),
+            embedding_pooling=str(pooling.pooling_mode) if pooling else None,
+            embedding_normalized=normalized,
+        )
 
 
 class FeatureExtraction:
     name = Task.feature_extraction
 
     def accelerator(self, spec: AcceleratorSpec, backend: Backend) -> AcceleratorData:
-        from transformers import AutoConfig
-
-        from services.runner import parallel
-
+        parallel.whole("an embedding model", spec.world_size)
         clock = Stopwatch(announce=spec.phase_file)
         with phase(ErrorClass.load), clock.time("load"):
-            # Encoders carry no parallel plan: a forced split is refused here with the reason.
-            config = AutoConfig.from_pretrained(spec.model_dir, trust_remote_code=spec.trust_remote_code)
-            parallel.choose_parallelism(config, spec.world_size, "ep")
-            model, inputs = _load(spec.model_dir, backend, backend.device, spec.trust_remote_code)
-        model.forward = backend.compile(model.forward)
+            encoder = Encoder(spec.model_dir, backend, backend.device, spec.trust_remote_code)
+        described = encoder.output()  # the pipeline as the repo declares it, before a planted fault changes it
+        if backend.fault:
+            encoder.plant(backend.fault)
+        encoder.network.forward = backend.compile(encoder.network.forward)
         with phase(ErrorClass.compile), clock.time("first"):
-            embeddings = _embed(model, inputs)
+            embeddings = encoder.embed()
         with phase(ErrorClass.runtime), clock.time("generate"):
-            _embed(model, inputs)
+            encoder.embed()
+        model = encoder.network
         return AcceleratorData(
+            output=described.model_copy(update={"embedding_dim": int(embeddings.shape[-1])}),
             embeddings=embeddings.tolist(),
             finite=bool(embeddings.isfinite().all()),
             placement=backend.placement().model_copy(update={"parallelism": Parallelism.none}),
@@ -74,9 +126,9 @@ class FeatureExtraction:
 
     def reference(self, spec: ReferenceSpec, backend: Backend) -> ReferenceResult:
         with phase(ErrorClass.load):
-            model, inputs = _load(spec.model_dir, backend, "cpu", spec.trust_remote_code)
+            encoder = Encoder(spec.model_dir, backend, "cpu", spec.trust_remote_code)
         with phase(ErrorClass.runtime):
-            return ReferenceResult(data={"embeddings": _embed(model, inputs).tolist()})
+            return ReferenceResult(data={"embeddings": encoder.embed().tolist()})
 
     def reuse(self, acc: AcceleratorData, stored: dict[str, Any]) -> ReferenceResult | None:
         """Stored reference embeddings are all the verdict needs."""
