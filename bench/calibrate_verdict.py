@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,7 @@ class Run:
     max_rank: int | None = None
     loglik_drop: float | None = None  # reference's mean log-prob minus the accelerator text's (nats/token)
     routing_margin: float | None = None  # MoE: the reference's smallest top-k router margin over the prompt
+    divergence_routing_margin: float | None = None  # and up to the first divergence
     seconds: float = 0.0
     scale: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -119,6 +120,24 @@ class _Bench:
         self.runs_dir = work / "runs"
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         self.compiled_for: tuple[Any, ...] | None = None
+        # Every finished run is appended to the journal as it ends; with --resume, a run the journal holds is taken
+        # from it rather than run again: a long bench that is stopped loses only its run in progress.
+        self.journal: Path | None = None
+        self.resumed: dict[tuple[Any, ...], Run] = {}
+
+    def open_journal(self, path: Path, resume: bool) -> None:
+        self.journal = path
+        if resume and path.exists():
+            runs = [Run(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+            self.resumed = {_key(r): r for r in runs}
+        else:
+            path.write_text("")
+
+    def journaled(self, run: Run) -> Run:
+        if self.journal is not None and _key(run) not in self.resumed:
+            with self.journal.open("a") as journal:
+                journal.write(json.dumps(asdict(run)) + "\n")
+        return run
 
     def fresh_compile(self, key: tuple[Any, ...]) -> None:
         """Forget dynamo's graphs when the architecture, thread count or fault changes (inductor bakes the thread
@@ -165,6 +184,8 @@ class _Bench:
 
         scale = SCALED.get(fault or "", scale)
         run = Run(kind=kind, arch=arch, seed=seed, cores=1, threads=threads, dtype=dtype, scale=scale)
+        if _key(run) in self.resumed:
+            return self.resumed[_key(run)]
         model_dir = self.checkpoint(arch, seed)
         backend = self.backend(dtype, threads, fault)
         task = TextGeneration()
@@ -194,12 +215,14 @@ class _Bench:
             gc.collect()
         run.seconds = time.monotonic() - started
         run.reason = run.reason[:300]
-        return run
+        return self.journaled(run)
 
     def sharded(self, kind: str, arch: str, seed: int, cores: int, fault: str | None = None,
                 dtype: str = "bfloat16", timeout: float = 900) -> Run:  # fmt: skip
         """One tensor-parallel run through the runner CLI: real rank processes over gloo."""
         run = Run(kind=kind, arch=arch, seed=seed, cores=cores, threads=1, dtype=dtype)
+        if _key(run) in self.resumed:
+            return self.resumed[_key(run)]
         model_dir = self.checkpoint(arch, seed)
         env = {**os.environ, "SUPPORTMATRIX_CACHE_DIR": str(self.cache),
                "SUPPORTMATRIX_DATA_DIR": str(self.work / "data"), "SUPPORTMATRIX_CPU_DTYPE": dtype,
@@ -224,7 +247,12 @@ class _Bench:
             run.reason = f"{report.failure.error_class}: {report.failure.error_message}"[:300]
         else:
             _fill(run, report)
-        return run
+        return self.journaled(run)
+
+
+def _key(run: Run) -> tuple[Any, ...]:
+    """What names a run of the plan: the journal's key."""
+    return (run.kind, run.arch, run.seed, run.cores, run.threads, run.dtype, run.scale)
 
 
 def _fill(run: Run, report: RunReport) -> None:
@@ -235,6 +263,7 @@ def _fill(run: Run, report: RunReport) -> None:
     run.rule = rule_of(run.verdict, run.reason)
     run.prefill_rel_error = comparison.prefill_rel_error
     run.routing_margin = comparison.routing_margin
+    run.divergence_routing_margin = comparison.divergence_routing_margin
     run.divergence = comparison.first_divergence
     steps = (comparison.evidence or {}).get("divergent_steps") or []
     if steps:
@@ -438,7 +467,7 @@ def what_if(runs: list[Run]) -> list[dict[str, Any]]:
     table = []
     current = (base.prefill, base.near_tie_gap, base.loglik_slack)
     for prefill, gap, slack in (current, *(c for c in CANDIDATES if c != current)):
-        tol = Tolerances(prefill=prefill, near_tie_gap=gap, top_k=base.top_k, loglik_slack=slack)
+        tol = replace(base, prefill=prefill, near_tie_gap=gap, loglik_slack=slack)  # the routing rule's as they are
 
         def fails(r: Run, tol: Tolerances = tol) -> bool:
             steps = [] if r.max_gap is None else [StepEvidence(r.divergence or 0, 0, 1, r.max_gap, r.max_rank or 0)]
@@ -450,6 +479,8 @@ def what_if(runs: list[Run]) -> list[dict[str, Any]]:
                 reference_loglik=0.0,
                 accelerator_loglik=-(r.loglik_drop or 0.0),
                 prefill_rel_error=r.prefill_rel_error,
+                routing_margin=r.routing_margin,
+                divergence_routing_margin=r.divergence_routing_margin,
             )
             evidence = Evidence(numbers, divergent_steps=steps)  # fmt: skip
             return decide(evidence, tol).verdict == "FAIL"
@@ -618,7 +649,7 @@ def output_checkpoint(work: Path, repo: str, seed: int) -> Path:
     )
 
 
-def output_run(bench: _Bench, repo: str, seed: int, threads: int, fault: str | None) -> OutputRun:
+def output_run(bench: _Bench, repo: str, seed: int, threads: int, fault: str | None, dtype: str) -> OutputRun:
     """One run of an embedding or image repo in this process: accelerator (inductor), reference (eager), verdict."""
     import torch
 
@@ -628,14 +659,14 @@ def output_run(bench: _Bench, repo: str, seed: int, threads: int, fault: str | N
     from shared.contracts.handoffs import Artifacts
 
     task_name = OUTPUT_REPOS[repo]
-    run = OutputRun(kind=fault or "benign", task=task_name, repo=repo, seed=seed, threads=threads)
+    run = OutputRun(kind=fault or "benign", task=task_name, repo=repo, seed=seed, threads=threads, dtype=dtype)
     model_dir = output_checkpoint(bench.work, repo, seed)
     backend = bench.backend(run.dtype, threads, fault)
     task = get_task(task_name)
     artifacts = Path(tempfile.mkdtemp(prefix="run-", dir=bench.runs_dir))
     started = time.monotonic()
     try:
-        bench.fresh_compile((repo, threads, fault))
+        bench.fresh_compile((repo, threads, fault, dtype))
         backend.prepare_process()
         spec = AcceleratorSpec(backend="cpu", task=Task(task_name), model_dir=model_dir, artifacts=artifacts)
         acc = task.accelerator(spec, backend)
@@ -662,13 +693,14 @@ def execute_outputs(bench: _Bench, log: Any) -> list[OutputRun]:
     runs: list[OutputRun] = []
     for repo, task in OUTPUT_REPOS.items():
         seeds = 1 if repo == "minilm" else OUTPUT_SEEDS
-        plan = [(seed, threads, None) for threads in THREADS for seed in range(seeds)]
-        plan += [(seed, 2, fault) for fault in OUTPUT_FAULTS[task] for seed in range(min(seeds, 2))]
-        for seed, threads, fault in plan:
-            run = output_run(bench, repo, seed, threads, fault)
+        plan = [(seed, threads, None, "bfloat16") for threads in THREADS for seed in range(seeds)]
+        plan += [(seed, 2, None, "float32") for seed in range(seeds)]  # the fp32 thresholds' benign side
+        plan += [(seed, 2, fault, "bfloat16") for fault in OUTPUT_FAULTS[task] for seed in range(min(seeds, 2))]
+        for seed, threads, fault, dtype in plan:
+            run = output_run(bench, repo, seed, threads, fault, dtype)
             runs.append(run)
             print(
-                f"[{len(runs):4d}] {run.kind:18s} {repo:24s} s{seed} t{threads} {run.verdict:5s} "
+                f"[{len(runs):4d}] {run.kind:18s} {repo:24s} s{seed} t{threads} {dtype:8s} {run.verdict:5s} "
                 f"sim {_fmt(run.similarity, '.6f')} psnr {_fmt(run.psnr, '.2f')} ssim {_fmt(run.ssim, '.4f')} "
                 f"({run.seconds:.1f} s) {run.reason[:120] if run.verdict == 'ERROR' else ''}",
                 file=log,
@@ -687,53 +719,55 @@ def outputs_markdown(runs: list[OutputRun], meta: dict[str, Any]) -> str:
         f"{meta['date']} · {meta['machine']} · torch {meta['torch']} · `{meta['command']}` · "
         f"{len(runs)} runs in {meta['wall_min']:.1f} min",
         "",
-        "bf16 accelerator (inductor, 1 and 2 threads) against the bf16 eager reference, in one process; "
+        "bf16 accelerator (inductor, 1 and 2 threads) against the bf16 eager reference, in one process, and fp32 "
+        "against fp32 (2 threads); "
         "faults on 2 threads: a dropped last layer (the encoder's, or the denoiser's last transformer block), "
         "the first attention output projection's last half of input columns scaled by 10 % and 1 %, and a "
         "sentence-transformers pipeline pooling with the wrong mode (CLS for mean, mean for CLS). Repos: "
         f"{', '.join(OUTPUT_REPOS)}.",
         "",
-        "| task | runs | n | FAIL | rate | lowest cosine min … max | PSNR dB min … max | SSIM min … max |",
-        "|---|---|---:|---:|---:|---|---|---|",
+        "| task | runs | dtype | n | FAIL | rate | lowest cosine min … max | PSNR dB min … max | SSIM min … max |",
+        "|---|---|---|---:|---:|---:|---|---|---|",
     ]
 
     def span(values: list[float | None], spec: str) -> str:
         present = [v for v in values if v is not None]
         return f"{min(present):{spec}} … {max(present):{spec}}" if present else "-"
 
-    groups: dict[tuple[str, str], list[OutputRun]] = {}
+    groups: dict[tuple[str, str, str], list[OutputRun]] = {}
     for run in runs:
-        groups.setdefault((run.task, run.kind), []).append(run)
-    for (task, kind), group in sorted(
-        groups.items(), key=lambda item: (item[0][0], item[0][1] != "benign", item[0][1])
-    ):
+        groups.setdefault((run.task, run.kind, run.dtype), []).append(run)
+    order = sorted(groups.items(), key=lambda item: (item[0][0], item[0][1] != "benign", item[0][1], item[0][2]))
+    for (task, kind, dtype), group in order:
         decided = [r for r in group if r.verdict in ("PASS", "FAIL")]
         fails = sum(r.verdict == "FAIL" for r in decided)
         n = f"{len(decided)}" + (f" (+{len(group) - len(decided)} n/a)" if len(decided) < len(group) else "")
         rate = f"{100 * fails / len(decided):.0f} %" if decided else "-"
         lines.append(
-            f"| {task} | {kind} | {n} | {fails} | {rate} | {span([r.similarity for r in decided], '.5f')} | "
+            f"| {task} | {kind} | {dtype} | {n} | {fails} | {rate} | {span([r.similarity for r in decided], '.5f')} | "
             f"{span([r.psnr for r in decided], '.1f')} | {span([r.ssim for r in decided], '.4f')} |"
         )
     benign = [r for r in runs if r.kind == "benign" and r.verdict in ("PASS", "FAIL")]
     faulted = [r for r in runs if r.kind != "benign" and r.verdict in ("PASS", "FAIL")]
-    tolerances = ImageTolerances.for_dtype("bfloat16")
     lines += [
         "",
-        "Where each bf16 threshold sits (benign worst < threshold < faulted worst caught is a clean split):",
+        "Where each threshold sits (benign worst < threshold < the faults caught: a clean split; faults are bf16):",
         "",
         "| threshold | value | benign worst | faults past it |",
         "|---|---:|---:|---:|",
     ]
-    for name, value, attr in (  # each passes at or above its threshold
-        ("lowest cosine similarity", similarity_threshold("bfloat16"), "similarity"),
-        ("image PSNR (dB)", tolerances.psnr_db, "psnr"),
-        ("image SSIM", tolerances.ssim, "ssim"),
-    ):
-        good = [getattr(r, attr) for r in benign if getattr(r, attr) is not None]
-        bad = [getattr(r, attr) for r in faulted if getattr(r, attr) is not None]
-        caught = sum(v < value for v in bad)
-        lines.append(f"| {name} | {value:g} | {_fmt(min(good) if good else None, '.5g')} | {caught} / {len(bad)} |")
+    for dtype in ("bfloat16", "float32"):
+        tolerances = ImageTolerances.for_dtype(dtype)
+        for name, value, attr in (  # each passes at or above its threshold
+            ("lowest cosine similarity", similarity_threshold(dtype), "similarity"),
+            ("image PSNR (dB)", tolerances.psnr_db, "psnr"),
+            ("image SSIM", tolerances.ssim, "ssim"),
+        ):
+            good = [getattr(r, attr) for r in benign if r.dtype == dtype and getattr(r, attr) is not None]
+            bad = [getattr(r, attr) for r in faulted if r.dtype == dtype and getattr(r, attr) is not None]
+            caught = f"{sum(v < value for v in bad)} / {len(bad)}" if bad else "-"
+            worst = _fmt(min(good) if good else None, ".5g")
+            lines.append(f"| {name}, {dtype} | {value:g} | {worst} | {caught} |")
     false_fails = sum(r.verdict == "FAIL" for r in benign)
     lines += ["", f"**Benign false FAIL: {false_fails} / {len(benign)}.**"]
     return "\n".join(lines)
@@ -750,6 +784,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--write", type=Path, nargs="?", const=ROOT / "BENCHMARKS.md", help="put the table here")
     parser.add_argument("--json", type=Path, help="every run's evidence, as JSON lines (and a .meta.json beside)")
     parser.add_argument("--from-json", type=Path, help="summarize the runs a --json left, without running any")
+    parser.add_argument("--resume", action="store_true", help="take the runs the --json's journal holds")
     parser.add_argument("--tasks", action="store_true", help="the embedding and image verdicts instead (issue 21)")
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -787,6 +822,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         torch.set_num_threads(REFERENCE_THREADS)
         bench = _Bench(args.work, cache)
+        if args.json:
+            bench.open_journal(args.json.with_suffix(".journal.jsonl"), args.resume)
         plan = make_plan(args.runs, args.quick, not args.no_tp)
         runs, skipped = execute(plan, bench, sys.stdout)
         wall_min = (time.monotonic() - started) / 60

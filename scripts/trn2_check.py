@@ -58,7 +58,7 @@ CHECKS = (
 
 
 def placements(checks: tuple[Check, ...]) -> list[CoreGroup]:
-    """Disjoint aligned groups, smallest first: 0, 2-3, 4-7."""
+    """Disjoint aligned groups, in the checks' order, each aligned to its size: 0, 2-3, 4-7, 8, 9."""
     groups, start = [], 0
     for check in checks:
         start = -(-start // check.cores) * check.cores  # align up to the group's size
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--backend", choices=["neuron", "cpu", "cuda"], default="neuron")
     parser.add_argument("--models", type=Path, help="the tiny checkpoints' directory instead of the Hub models")
-    parser.add_argument("--parallel", action="store_true", help="run the three at once, on disjoint cores")
+    parser.add_argument("--parallel", action="store_true", help="run the five at once, on disjoint cores")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="per run (compilation included)")
     parser.add_argument("--json", type=Path, help="also write the reports here")
     parser.add_argument("--calibration", type=Path, default=Path("trn2-check-calibration.json"),

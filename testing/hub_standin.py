@@ -116,6 +116,8 @@ class Repo:
             try:
                 with (self.root / f.path).open("rb") as fh:
                     (n,) = struct.unpack("<Q", fh.read(8))
+                    if n > f.size - 8:  # no header of that length: not a safetensors file
+                        continue
                     header = json.loads(fh.read(n))
             except (OSError, ValueError, struct.error):
                 continue  # like the Hub: a file it cannot parse adds no metadata

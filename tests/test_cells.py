@@ -46,6 +46,29 @@ def test_diff_lists_regressions_fixes_and_flaky_cells(session: Session) -> None:
     assert flaky.status == CellStatus.FLAKY and flaky.runs == 3 and flaky.flips == 2
 
 
+def test_a_diff_and_the_failure_groups_keep_each_task_apart(session: Session) -> None:
+    """One model tested as two tasks (a sentence-transformers repo, a pipeline): each task is a cell of its own,
+    so a regression of one task's cell is listed under that task alone, and the failures filter by task."""
+    from shared.contracts.enums import Task
+    from shared.results.failures import failure_groups
+
+    old, new = runtime(OLD, "5.24.0"), runtime(NEW, "5.24.0")
+    for task, after in ((Task.feature_extraction, Verdict.PASS), (Task.text_to_image, Verdict.FAIL)):
+        record(session, "tasks/both", old, Verdict.PASS, task=task.value)
+        record(
+            session, "tasks/both", new, after, task=task.value, verdict_reason="PSNR 21.3 dB < 38 and SSIM 0.8 < 0.99"
+        )
+    changes = diff(session, "compiler", OLD, NEW)
+    assert [(c.model_id, c.task) for c in changes.regressed] == [("tasks/both", "text-to-image")]
+    assert {c.task for c in cells(session, compiler=NEW) if c.model_id == "tasks/both"} == {
+        "feature-extraction",
+        "text-to-image",
+    }
+    [group] = failure_groups(session, NEW, Task.text_to_image)
+    assert group.verdict == Verdict.FAIL and "PSNR" in group.signature and group.count == 1
+    assert failure_groups(session, NEW, Task.feature_extraction) == []
+
+
 def test_the_diff_endpoint_over_compilers_and_library_versions(api: Any) -> None:
     with new_session() as session:  # record() commits each run
         history(session, runtime("9.0+a", "5.24.0"), runtime("9.1+b", "5.24.0"), "diffc")

@@ -341,3 +341,19 @@ def test_a_tasks_views_rank_all_its_pipeline_tags_as_one_list(hub: Any, sweep_re
             assert found == [e for e in expected if e[1] <= limit]
     finally:
         hub.repos.pop("sweep/fe-small")
+
+
+def test_text_to_image_is_swept_as_a_task_of_its_own(hub: Any, pipelines: Path) -> None:
+    """The default sweep ranks text-to-image too: its pipeline tag's models, in a list of their own."""
+    hub.add("sweep/tiny-sd", pipelines / "tiny-sd", pipeline_tag="text-to-image", library_name="diffusers",
+            trendingScore=70, downloads=90)  # fmt: skip
+    try:
+        assert "text-to-image" in Settings().sweep_tasks
+        settings = Settings(sweep_limit=1, sweep_selected=[], sweep_tasks=["text-to-image"])
+        found = [(c.task, c.view, c.rank, c.model_id) for c in candidates(settings)]
+        assert found == [
+            ("text-to-image", "trending", 1, "sweep/tiny-sd"),
+            ("text-to-image", "downloads", 1, "sweep/tiny-sd"),
+        ]
+    finally:
+        hub.repos.pop("sweep/tiny-sd")

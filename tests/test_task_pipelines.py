@@ -9,6 +9,8 @@ faults (a wrong pooling, a dropped layer) that FAIL.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import pandas as pd
 import pytest
 
 from shared.contracts.enums import Task
-from tests.conftest import wait_for_job
+from tests.conftest import RUN_DIR, wait_for_job
 from tests.test_pipeline import FINISHED, result_rows, submit
 
 REPOS = {  # Hub id: (local repo, pipeline tag, library)
@@ -32,12 +34,27 @@ REPOS = {  # Hub id: (local repo, pipeline tag, library)
 
 @pytest.fixture(scope="module")
 def pipeline_repos(hub: Any, pipelines: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # tiny-sd as the Hub serves Stable Diffusion: with an fp16 variant beside each default weight file, which a
+    # pipeline's from_pretrained never reads (here not even a safetensors file: fetching or sizing it would fail)
+    served = {name: pipelines / name for name, _, _ in REPOS.values()}
+    served["tiny-sd"] = tmp_path_factory.mktemp("served") / "tiny-sd"
+    shutil.copytree(pipelines / "tiny-sd", served["tiny-sd"])
+    for weights in list(served["tiny-sd"].glob("*/*.safetensors")):
+        weights.with_suffix(".fp16.safetensors").write_bytes(b"not weights")
     for model_id, (name, tag, library) in REPOS.items():
-        hub.add(model_id, pipelines / name, pipeline_tag=tag, library_name=library)
+        hub.add(model_id, served[name], pipeline_tag=tag, library_name=library)
     huge = tmp_path_factory.mktemp("huge-pipeline")  # a 40 B-parameter pipeline, as the Hub describes it
     (huge / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline", "_diffusers_version": "0.42.1"}))
-    hub.add("tasks/huge-flux", huge, pipeline_tag="text-to-image", library_name="diffusers",
-            safetensors={"parameters": {"BF16": 40_000_000_000}, "total": 40_000_000_000})  # fmt: skip
+    hub.add(
+        "tasks/huge-flux",
+        huge,
+        pipeline_tag="text-to-image",
+        library_name="diffusers",
+        safetensors={"parameters": {"BF16": 40_000_000_000}, "total": 40_000_000_000},
+    )
+    lora = tmp_path_factory.mktemp("lora")  # a LoRA tagged text-to-image: no pipeline of its own
+    (lora / "pytorch_lora_weights.safetensors").write_bytes((8).to_bytes(8, "little") + b"{}      ")
+    hub.add("tasks/a-lora", lora, pipeline_tag="text-to-image", library_name="diffusers", tags=["lora"])  # fmt: skip
 
 
 def test_sentence_transformers_and_diffusers_repos_run_end_to_end_through_the_api_worker_and_export(
@@ -56,11 +73,16 @@ def test_sentence_transformers_and_diffusers_repos_run_end_to_end_through_the_ap
     assert huge["state"] == "done" and huge["error_class"] == "unsupported_parallelism", huge
     assert "text-to-image runs whole on one core" in huge["error_message"]
     assert result_rows(api, model_id="tasks/huge-flux")[0]["result"] == "SKIPPED"
+    [lora] = submit(api, "tasks/a-lora")  # a LoRA is no pipeline: SKIPPED as an adapter, never an ERROR
+    assert (lora["state"], lora["error_class"]) == ("done", "adapter") and "LoRA" in lora["error_message"], lora
 
     for job in jobs.values():
         done = wait_for_job(api, job["id"], FINISHED, timeout=300)
         assert done["state"] == "done" and done["cores"] == 1, done
     rows = {model_id: result_rows(api, model_id=model_id) for model_id in REPOS}
+    # the runners fetched tiny-sd's default weights and none of its fp16 variants (which would have been sized too)
+    fetched = list((RUN_DIR / "hf-home").rglob("*tiny-sd*/**/*.safetensors"))
+    assert fetched and not [f for f in fetched if f.name.endswith(".fp16.safetensors")], fetched
     assert {m: len(r) for m, r in rows.items()} == dict.fromkeys(REPOS, 1)  # exactly one row each
     for model_id, (pooling, normalized) in {
         "tasks/st-cls": ("cls", False),
@@ -179,6 +201,25 @@ def test_each_pooling_mode_gives_the_embeddings_its_modules_define_and_a_wrong_p
     assert wrong.verdict == Verdict.FAIL and wrong.comparison.similarity < 0.99, wrong.reason
 
 
+def test_a_pipeline_split_by_force_is_skipped_with_the_class_that_says_so(pipelines: Path, tmp_path: Path) -> None:
+    """--cores 2 for a diffusers pipeline: no guess at a split, a SKIPPED row naming unsupported_parallelism."""
+    import subprocess
+    import sys
+
+    from shared.contracts.report import RunReport
+    from tests.conftest import ROOT
+
+    done = subprocess.run(
+        [sys.executable, "-m", "services.runner", "local/tiny-sd", "--local-dir", str(pipelines / "tiny-sd"),
+         "--task", "text-to-image", "--cores", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "SUPPORTMATRIX_DATA_DIR": str(tmp_path), "SUPPORTMATRIX_CPU_COMPILE_BACKEND": "aot_eager"},
+    )  # fmt: skip
+    report = RunReport.model_validate_json(done.stdout.strip().splitlines()[-1])
+    assert (report.verdict, report.failure.error_class) == ("SKIPPED", "unsupported_parallelism"), done.stderr[-2000:]
+    assert "a diffusers pipeline runs whole on one core" in (report.failure.error_message or "")
+
+
 @pytest.mark.parametrize("name", ["tiny-sd", "tiny-pixart"])
 def test_a_denoiser_with_a_dropped_block_draws_an_image_that_fails(pipelines: Path, tmp_path: Path, name: str) -> None:
     from services.runner.tasks import get_task
@@ -191,3 +232,9 @@ def test_a_denoiser_with_a_dropped_block_draws_an_image_that_fails(pipelines: Pa
         "reference",
     }
     assert acc.timings.denoise_step_s > 0 and np.asarray(acc.image).shape == (128, 128, 3)
+    from PIL import Image
+
+    from shared.contracts.handoffs import Artifacts
+
+    for side, path in Artifacts(tmp_path).images.items():  # both images, whole, among the job's artifacts
+        assert Image.open(path).size == (128, 128), side

@@ -27,6 +27,9 @@ from shared.hub.kinds import unknown_model_type
 
 # What from_pretrained reads; weights, READMEs, ONNX or GGUF copies and the like are not fetched.
 _CONFIG_AND_TOKENIZER = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "tokenizer*"]
+# A diffusers pipeline's other copies of its weights (``unet/diffusion_pytorch_model.fp16.safetensors``), which
+# from_pretrained without ``variant=`` does not load
+PIPELINE_VARIANTS = ("fp16", "bf16", "fp32", "non_ema", "ema_only")
 
 
 @dataclass(frozen=True)
@@ -78,10 +81,16 @@ def _download(model: str, revision: str | None, with_code: bool) -> Checkpoint:
         files = [s.rfilename for s in info.siblings or []]
         # Safetensors when the repo has them; the PyTorch .bin copy only when it has nothing else.
         weights = ["*.safetensors"] if any(f.endswith(".safetensors") for f in files) else ["*.bin"]
+        ignored = None
+        if "model_index.json" in files:  # a diffusers pipeline: its components' default weights, one folder each
+            weights = [f"*/{pattern}" for pattern in weights]
+            ignored = [f"*.{variant}.*" for variant in PIPELINE_VARIANTS]
         code = ["*.py"] if with_code else []
         if "config.json" in files:  # judged before any weights come
             check_architecture(Path(hf_hub_download(model, "config.json", revision=info.sha)))
-        path = snapshot_download(model, revision=info.sha, allow_patterns=_CONFIG_AND_TOKENIZER + weights + code)
+        path = snapshot_download(
+            model, revision=info.sha, allow_patterns=_CONFIG_AND_TOKENIZER + weights + code, ignore_patterns=ignored
+        )
     except GatedRepoError as exc:  # before RepositoryNotFoundError: it is a subclass
         raise RunFailure(ErrorClass.gated, f"{model} is gated: {exc}") from exc
     except (RepositoryNotFoundError, RevisionNotFoundError) as exc:

@@ -21,7 +21,7 @@ from services.runner.launch import Budget, run_child, run_ranks
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks import get_task
 from services.runner.tasks.conclusion import Conclusion
-from shared.contracts.enums import SHARDED_TASKS, ErrorClass, Stage, Verdict
+from shared.contracts.enums import ErrorClass, Stage, Verdict
 from shared.contracts.handoffs import (
     AcceleratorData,
     AcceleratorOutput,
@@ -33,7 +33,14 @@ from shared.contracts.handoffs import (
 from shared.contracts.report import Failure, Performance, Placement, Provenance, RunReport, Subject
 from shared.contracts.run import RunRequest
 from shared.cores import format_cpus, parse_cpus
-from shared.hub.sizing import ModelShape, checkpoint_shape, default_core_memory_bytes, per_core_bytes, size_model
+from shared.hub.sizing import (
+    ModelShape,
+    checkpoint_shape,
+    default_core_memory_bytes,
+    per_core_bytes,
+    size_model,
+    unfit_class,
+)
 from shared.results.signatures import error_signature
 from shared.results.verdict import decide
 from shared.settings import Settings, inherited_environment
@@ -124,7 +131,8 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
         ranks = run_ranks(spec, AcceleratorData, env, budget, artifacts.root, pins)
         report.placement = ranks_placement([r.placement for r in ranks], backend.exclusive_cores)
     except RunFailure as failure:
-        unrunnable = failure.error_class in (ErrorClass.too_large, ErrorClass.unsupported_parallelism)
+        # too large, or a task that runs whole split by force: no run of this model can say more
+        unrunnable = failure.error_class in (ErrorClass.too_large, unfit_class(request.task.value))
         return failed(report, failure, Verdict.SKIPPED if unrunnable else Verdict.ERROR)
     data = ranks[0]  # rank 0's outputs; peak memory is the most any rank used
     data.resources.peak_memory_bytes = max(r.resources.peak_memory_bytes or 0 for r in ranks)
@@ -141,6 +149,7 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
         backend.dtype,
         runtime.library_version,
         runtime.torch_version,
+        data.output.pipeline_key,
     )
     output = AcceleratorOutput(
         report=report,
@@ -190,8 +199,7 @@ def choose_cores(request: RunRequest, shape: ModelShape, backend: Backend) -> in
     memory = default_core_memory_bytes(backend.name, backend.settings.core_memory_gib)
     sizing = size_model(shape, memory, run_dtype=backend.dtype, task=request.task.value)
     if sizing.cores is None:
-        whole = request.task not in SHARDED_TASKS  # no split is tried: the backend has none for it
-        raise RunFailure(ErrorClass.unsupported_parallelism if whole else ErrorClass.too_large, sizing.reason)
+        raise RunFailure(unfit_class(request.task.value), sizing.reason)
     return sizing.cores
 
 

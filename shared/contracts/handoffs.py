@@ -115,6 +115,7 @@ class Artifacts:
         self.reference_prefill = root / "reference-prefill-logits.npy"
         self.verdict = root / "verdict.json"
         self.judge = root / "judge.json"
+        self.images = {side: root / f"{side}-image.png" for side in ("accelerator", "reference")}  # text-to-image
 
     def latest_phase(self) -> Phase | None:
         """The phase a child of this job's runner announced last."""

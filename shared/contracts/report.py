@@ -74,6 +74,8 @@ class Comparison(BaseModel):
     image_psnr: float | None = None  # text-to-image: the decoded image against the reference's (dB)
     image_ssim: float | None = None  # and their structural similarity (1: the same image)
     routing_margin: float | None = None  # MoE: the reference's smallest top-k router margin at the prompt's end
+    # MoE: and at the position that chose the accelerator's first divergent token (None: none diverges)
+    divergence_routing_margin: float | None = None
     reference_reused: bool | None = None  # the CPU reference came from the stored runs
     generated_text: str | None = None
     reference_text: str | None = None
@@ -95,6 +97,14 @@ class Output(BaseModel):
     denoiser: Str64 | None = None  # the pipeline's compiled component: its class (a UNet or a transformer)
     image_size: Int32 | None = None  # pixels a side
     denoising_steps: Int32 | None = None
+
+    @property
+    def pipeline_key(self) -> str:
+        """The task's own library and version, when it is not transformers alone: part of a stored reference's key
+        (a diffusers release may draw another image)."""
+        if self.pipeline_library in (None, "transformers"):
+            return ""
+        return f"{self.pipeline_library} {self.pipeline_library_version}"
 
 
 class Performance(BaseModel):

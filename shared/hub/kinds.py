@@ -49,12 +49,16 @@ QUANTIZATION_LOADS: dict[str, frozenset[str]] = {
 
 # Weights from_pretrained loads, at the repo's top level (what the runner downloads).
 _WEIGHTS_RE = re.compile(r"^(?!adapter_model\.)[^/]+\.safetensors$|^(pytorch_)?model[^/]*\.bin$")
+_PIPELINE_WEIGHTS_RE = re.compile(r"^[^/]+/[^/]+\.(safetensors|bin)$")  # unet/diffusion_pytorch_model.safetensors
 # Weight formats from_pretrained does not load, by file suffix.
 _FOREIGN_FORMATS = {".gguf": "GGUF", ".onnx": "ONNX", ".onnx_data": "ONNX", ".onnx.data": "ONNX"}
 
 
 def has_loadable_weights(files: Iterable[str]) -> bool:
-    return any(_WEIGHTS_RE.match(f) for f in files)
+    """Weights from_pretrained loads: at the top of the repo, or in a diffusers pipeline's component folders."""
+    names = list(files)
+    pipeline = "model_index.json" in names
+    return any(_WEIGHTS_RE.match(f) or (pipeline and _PIPELINE_WEIGHTS_RE.match(f)) for f in names)
 
 
 def is_adapter_only(files: Collection[str]) -> bool:
@@ -67,6 +71,18 @@ def adapter_refusal(model_id: str, base_model: str | None) -> Refusal:
     hint = f": test {base_model} itself" if base_model else ""
     reason = f"{model_id} is a PEFT adapter{base} (adapter_config.json) without weights of its own{hint}"
     return Refusal(Verdict.SKIPPED, ErrorClass.adapter, reason)
+
+
+def pipeline_refusal(model_id: str, files: Collection[str], tags: Collection[str]) -> Refusal | None:
+    """SKIPPED for a text-to-image repo that is no diffusers pipeline (no ``model_index.json``): a LoRA (an adapter,
+    without the base pipeline) or a single-file checkpoint, which a pipeline's from_pretrained does not load."""
+    if "model_index.json" in files:
+        return None
+    if "lora" in tags or any("lora" in f.lower() for f in files if f.endswith(".safetensors")):
+        reason = f"{model_id} is a LoRA for a diffusers pipeline, without the pipeline itself: test its base model"
+        return Refusal(Verdict.SKIPPED, ErrorClass.adapter, reason)
+    reason = f"{model_id} has no model_index.json: not a diffusers pipeline's layout (a single-file checkpoint?)"
+    return Refusal(Verdict.SKIPPED, ErrorClass.weights_format, reason)
 
 
 def format_refusal(model_id: str, files: Collection[str], library: str | None, tags: Collection[str]) -> Refusal | None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.contracts.enums import SHARDED_TASKS, Task
+from shared.contracts.enums import SHARDED_TASKS, ErrorClass, Task
 
 GIB = 1 << 30
 CORE_SIZES = (1, 2, 4, 8, 16)
@@ -206,6 +206,12 @@ def split_refusal(shape: ModelShape, cores: int) -> str | None:
     return None
 
 
+def unfit_class(task: str) -> ErrorClass:
+    """Why a model that no core count holds gets no run: too large for 16 cores, or (a task that runs whole on
+    one core) no split the backend has."""
+    return ErrorClass.too_large if Task(task) in SHARDED_TASKS else ErrorClass.unsupported_parallelism
+
+
 def size_model(
     shape: ModelShape,
     core_memory_bytes: int,
@@ -267,6 +273,8 @@ def checkpoint_shape(directory: Path) -> ModelShape:
     pipeline = not (directory / "config.json").exists() and (directory / "model_index.json").exists()
     files = "*/*" if pipeline else "*"
     for path in sorted(directory.glob(f"{files}.safetensors")):
+        if pipeline and len(path.suffixes) > 1:  # a variant's copy (diffusion_pytorch_model.fp16.safetensors)
+            continue
         with path.open("rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))

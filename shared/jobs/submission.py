@@ -17,13 +17,13 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from shared.contracts.enums import ACTIVE_STATES, SHARDED_TASKS, ErrorClass, JobState, Task, Verdict
+from shared.contracts.enums import ACTIVE_STATES, ErrorClass, JobState, Task, Verdict
 from shared.contracts.run import IDENTITY_VERSIONS, RuntimeInfo
 from shared.db.models import Job
 from shared.hub import kinds
 from shared.hub.client import Gated, ResolvedModel, Unsizable, adapter_base, model_shape, read_json, resolve_model
 from shared.hub.kinds import Refusal
-from shared.hub.sizing import default_core_memory_bytes, run_dtype, size_model
+from shared.hub.sizing import default_core_memory_bytes, run_dtype, size_model, unfit_class
 from shared.jobs.outcomes import settle
 from shared.jobs.queues import job_queue
 from shared.jobs.runtimes import plan_runtimes
@@ -174,6 +174,8 @@ def admit(
     diffusers pipeline is read from its ``model_index.json`` and sized by all its components' weights."""
     if kinds.is_adapter_only(model.files):
         return cores, kinds.adapter_refusal(model.model_id, adapter_base(model))
+    if task == Task.text_to_image and (refusal := kinds.pipeline_refusal(model.model_id, model.files, model.tags)):
+        return cores, refusal
     refusal = kinds.format_refusal(model.model_id, model.files, model.library_name, model.tags)
     if refusal is not None:
         return cores, refusal
@@ -202,7 +204,5 @@ def admit(
     memory = default_core_memory_bytes(settings.backend, settings.core_memory_gib)
     sizing = size_model(shape, memory, run_dtype=run_dtype(settings.backend, settings.cpu_dtype), task=task.value)
     if sizing.cores is None:
-        whole = task not in SHARDED_TASKS  # no split is tried: the backend has none for it
-        error_class = ErrorClass.unsupported_parallelism if whole else ErrorClass.too_large
-        return None, Refusal(Verdict.SKIPPED, error_class, sizing.reason)
+        return None, Refusal(Verdict.SKIPPED, unfit_class(task.value), sizing.reason)
     return sizing.cores, None

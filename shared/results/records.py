@@ -32,8 +32,9 @@ from shared.db.models import Job, Result
 from shared.results.cells import CellStatus
 
 # 2: failure signatures, graphs compiled, predicted peak memory per core; 3: columns by part; 4: runtime versions,
-# compile path, cache lookups, rank cores, routing margin, performance, long generation
-SCHEMA_VERSION = 4
+# compile path, cache lookups, rank cores, routing margin, performance, long generation; 5: the task's pipeline,
+# embedding and image columns
+SCHEMA_VERSION = 5
 
 
 class RecordHead(BaseModel):

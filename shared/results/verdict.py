@@ -6,7 +6,12 @@ The rule (``decide``), in order — the numeric rules first, so that no judge ca
    tolerance, relative to the reference's norm → FAIL. Gross faults (a perturbed shard, a skipped
    all-reduce, a dropped layer) show here; thread counts and reduction orders do not. A MoE whose reference
    routes some prompt token at a near tie (a router margin bf16 can flip) is excused up to the routing cap: a
-   flipped expert moves the prefill by more than the tolerance, and the run is decided by the rules below.
+   flipped expert moves the prefill by more than the tolerance, and the run is decided by the rules below —
+   with one change: a flipped expert at the prompt's end moves every later step's state, so the reference,
+   scoring the accelerator's prefix with its own routing, cannot tell a near tie; a divergent step that is no
+   near tie is excused there when the text is as likely as the reference's (rule 4 holds). The same holds for a
+   near tie of the routing at the position whose logits chose the accelerator's first divergent token
+   (``divergence_routing_margin``): a flip there moves that step and those that follow, the prefill untouched.
 3. Every one of the 32 tokens matches → PASS (a sharded run's judge may still find the text not fluent).
 4. The accelerator's text is implausible under the reference: its mean log-prob per token (raw logits,
    teacher-forced) is more than the dtype's slack below the reference's own text's → FAIL.
@@ -30,6 +35,10 @@ from shared.contracts.enums import LongOutcome, Verdict
 from shared.contracts.evidence import Evidence, StepEvidence
 from shared.contracts.report import LongGeneration
 from shared.testconfig import LongTolerances, Tolerances
+
+
+def _routing_tie(margin: float | None, tol: Tolerances) -> bool:
+    return margin is not None and margin <= tol.routing_tie
 
 
 def is_near_tie(step: StepEvidence, tol: Tolerances) -> bool:
@@ -87,6 +96,14 @@ def decide(evidence: Evidence, tol: Tolerances) -> Decision:
         far = next((step for step in evidence.divergent_steps if not is_near_tie(step, tol)), None)
         if far is None:
             reason = f"tokens diverge from step {divergence}, every divergence a near tie"
+        elif routed or _routing_tie(numbers.divergence_routing_margin, tol):
+            reason = (
+                f"tokens diverge from step {divergence} (step {far.step}: gap {far.gap:.3g} nats, rank {far.rank}), "
+                f"after a routing near-tie of the reference (router margin "
+                f"{min(m for m in (numbers.routing_margin, numbers.divergence_routing_margin) if m is not None):.3g}"
+                f" <= {tol.routing_tie:.3g}) that bf16 can flip, in text as likely as the reference's "
+                f"({acc_loglik:.3f} vs {ref_loglik:.3f} nats per token)"
+            )
         else:
             reason = (
                 f"step {far.step}: token {far.accelerator_token} is not a near tie of the reference's "

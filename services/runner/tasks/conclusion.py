@@ -4,13 +4,24 @@ the tiers past the verdict (the long generation's outcome, the performance of a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from services.runner.specs import ReferenceResult
 from shared.contracts.enums import LongOutcome, Verdict
 from shared.contracts.evidence import Evidence
+from shared.contracts.handoffs import AcceleratorData
 from shared.contracts.report import Comparison, LongGeneration, Performance, RunReport
 from shared.results.verdict import Decision
 
 NOT_RUN = LongGeneration(long_generation=LongOutcome.not_run)
+
+
+class ComparesOutputs:
+    """A task whose verdict compares the accelerator's output with the reference's alone (embeddings, an image):
+    a stored reference's output is all it needs, whatever the accelerator produced."""
+
+    def reuse(self, acc: AcceleratorData, stored: dict[str, Any]) -> ReferenceResult | None:
+        return ReferenceResult(data=stored, reused=True)
 
 
 @dataclass(frozen=True)

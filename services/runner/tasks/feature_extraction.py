@@ -20,13 +20,18 @@ from services.runner.backends.base import Backend
 from services.runner.failures import phase
 from services.runner.measure import Stopwatch, accelerator_timings, compile_record
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
-from services.runner.tasks.conclusion import Conclusion
+from services.runner.tasks.conclusion import ComparesOutputs, Conclusion
 from shared.contracts.enums import ErrorClass, Parallelism, Task, Verdict
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, Output, Resources
 from shared.testconfig import SENTENCES, similarity_threshold
 
 TEXT_POSITIONS = 32  # a transformers encoder's batch is padded to this length: static shapes
+
+
+def _mode(mode: Any) -> str:
+    """A pooling module's mode as one word: "mean", or "cls+mean" for a module that concatenates several."""
+    return "+".join(mode) if isinstance(mode, list | tuple) else str(mode)
 
 
 class Encoder:
@@ -93,12 +98,12 @@ class Encoder:
         return Output(
             pipeline_library="sentence-transformers",
             pipeline_library_version=version("sentence-transformers"),
-            embedding_pooling=str(pooling.pooling_mode) if pooling else None,
+            embedding_pooling=_mode(pooling.pooling_mode) if pooling else None,
             embedding_normalized=normalized,
         )
 
 
-class FeatureExtraction:
+class FeatureExtraction(ComparesOutputs):
     name = Task.feature_extraction
 
     def accelerator(self, spec: AcceleratorSpec, backend: Backend) -> AcceleratorData:
@@ -117,7 +122,7 @@ class FeatureExtraction:
         model = encoder.network
         return AcceleratorData(
             output=described.model_copy(update={"embedding_dim": int(embeddings.shape[-1])}),
-            embeddings=embeddings.tolist(),
+            embeddings=embeddings.nan_to_num().tolist(),  # JSON holds no NaN: ``finite`` says whether there was one
             finite=bool(embeddings.isfinite().all()),
             placement=backend.placement().model_copy(update={"parallelism": Parallelism.none}),
             timings=accelerator_timings(clock),
@@ -129,10 +134,6 @@ class FeatureExtraction:
             encoder = Encoder(spec.model_dir, backend, "cpu", spec.trust_remote_code)
         with phase(ErrorClass.runtime):
             return ReferenceResult(data={"embeddings": encoder.embed().tolist()})
-
-    def reuse(self, acc: AcceleratorData, stored: dict[str, Any]) -> ReferenceResult | None:
-        """Stored reference embeddings are all the verdict needs."""
-        return ReferenceResult(data=stored, reused=True)
 
     def conclude(self, acc: AcceleratorData, found: ReferenceResult, artifacts: Artifacts, dtype: str) -> Conclusion:
         produced = np.asarray(acc.embeddings, dtype=np.float64)

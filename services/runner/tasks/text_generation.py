@@ -29,7 +29,7 @@ from shared.contracts.enums import ErrorClass, Parallelism, Task
 from shared.contracts.evidence import Evidence, StepEvidence
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, Performance, Resources
-from shared.results.verdict import decide, long_outcome
+from shared.results.verdict import decide, first_divergence, long_outcome
 from shared.testconfig import LONG_NEW_TOKENS, NEW_TOKENS, PERF_NEW_TOKENS, PROMPT, LongTolerances, Tolerances
 
 
@@ -66,10 +66,10 @@ def _generation_kwargs(
     }
 
 
-def routing_margin(model: Any, inputs: Any) -> float | None:
-    """A MoE model's smallest router margin over the prompt (every layer, every position): its k-th best expert's
-    logit minus the next one's, k its experts per token. bf16 noise flips a choice that close; None for a dense
-    model (or one whose forward returns no router logits)."""
+def routing_margin(model: Any, inputs: Any, last_only: bool = False) -> float | None:
+    """A MoE model's smallest router margin over the prompt (every layer, every position, or with ``last_only``
+    the last position's alone): its k-th best expert's logit minus the next one's, k its experts per token. bf16
+    noise flips a choice that close; None for a dense model (or one whose forward returns no router logits)."""
     import torch
 
     k = getattr(model.config, "num_experts_per_tok", None)
@@ -79,8 +79,24 @@ def routing_margin(model: Any, inputs: Any) -> float | None:
         router = getattr(model(**inputs, output_router_logits=True), "router_logits", None)
     if not router:
         return None
-    ranked = [layer.float().sort(dim=-1, descending=True).values for layer in router]
-    return min(float((r[..., k - 1] - r[..., k]).min()) for r in ranked if r.shape[-1] > k)
+    # each layer's router logits, one row per token of the batch of one: the last row is the last position's
+    ranked = [layer.float().reshape(-1, layer.shape[-1]).sort(dim=-1, descending=True).values for layer in router]
+    rows = [r[-1:] if last_only else r for r in ranked if r.shape[-1] > k]
+    return min(float((r[:, k - 1] - r[:, k]).min()) for r in rows)
+
+
+def _divergence_routing_margin(model: Any, inputs: Any, acc_tokens: list[int], ref_tokens: list[int]) -> float | None:
+    """A MoE's smallest router margin, over its layers, at the position whose logits chose the accelerator's first
+    divergent token (the last of the prompt and the accelerator's tokens before it): a near tie there is a routing
+    choice bf16 can flip at that very step. None when nothing diverges (or the model is dense)."""
+    import torch
+
+    divergence = first_divergence(acc_tokens, ref_tokens)
+    if divergence is None:
+        return None
+    prefix = torch.tensor([acc_tokens[:divergence]], dtype=inputs["input_ids"].dtype)
+    ids = torch.cat([inputs["input_ids"], prefix], dim=1)
+    return routing_margin(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, last_only=True)
 
 
 class _ForceTokens:
@@ -241,6 +257,7 @@ class TextGeneration:
             "generate_s": clock.seconds["generate"],
             "peak_rss_bytes": peak_rss_bytes(),
             "routing_margin": routing_margin(model, inputs),
+            "divergence_routing_margin": _divergence_routing_margin(model, inputs, acc_tokens, ref_tokens),
         }
         long_logprobs = None
         if acc_long:  # the reference's long text, and the accelerator's scored under it on its own prefix
@@ -284,6 +301,7 @@ class TextGeneration:
             accelerator_loglik=found.accelerator_loglik,
             reference_loglik=ref["reference_loglik"],
             routing_margin=ref.get("routing_margin"),
+            divergence_routing_margin=ref.get("divergence_routing_margin"),
             reference_reused=found.reused,
             evidence={
                 "divergent_steps": [vars(s) for s in found.divergent_steps],

@@ -26,7 +26,7 @@ from services.runner.backends.base import Backend
 from services.runner.failures import RunFailure, phase
 from services.runner.measure import Stopwatch, accelerator_timings, compile_record
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
-from services.runner.tasks.conclusion import Conclusion
+from services.runner.tasks.conclusion import ComparesOutputs, Conclusion
 from shared.contracts.enums import ErrorClass, Parallelism, Task, Verdict
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, Output, Resources
@@ -40,21 +40,25 @@ THUMBNAIL = 64  # pixels a side of the images kept as evidence
 class Pipeline:
     """A loaded diffusers pipeline and its denoiser; ``draw()`` makes the test's image."""
 
-    def __init__(self, spec: AcceleratorSpec | ReferenceSpec, backend: Backend, device: str) -> None:
+    def __init__(self, spec: AcceleratorSpec | ReferenceSpec, backend: Backend, accelerated: bool) -> None:
         import torch
         from diffusers import DiffusionPipeline
 
         if not (spec.model_dir / "model_index.json").is_file():
             raise RunFailure(ErrorClass.load, "no model_index.json: text-to-image runs diffusers pipelines")
         self.dtype = getattr(torch, backend.dtype)
-        self.pipe = DiffusionPipeline.from_pretrained(spec.model_dir, dtype=self.dtype).to(device)
+        self.device = backend.device if accelerated else "cpu"
+        pipe = DiffusionPipeline.from_pretrained(
+            spec.model_dir, dtype=self.dtype, trust_remote_code=spec.trust_remote_code
+        )
+        self.pipe = pipe.to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         name = next((n for n in DENOISERS if getattr(self.pipe, n, None) is not None), None)
         if name is None:
             raise RunFailure(ErrorClass.load, f"{type(self.pipe).__name__} has neither a unet nor a transformer")
         self.denoiser = getattr(self.pipe, name)
-        self.device = device
-        self.synchronize = backend.synchronize
+        # a step's end is when the accelerator finished it; the CPU reference has nothing to wait for
+        self.synchronize = backend.synchronize if accelerated else (lambda: None)
         self.step_ends: list[float] = []
 
     def output(self) -> Output:
@@ -76,6 +80,8 @@ class Pipeline:
         latents = torch.randn((1, config.in_channels, side, side), generator=generator, dtype=torch.float32)
         accepted = inspect.signature(self.pipe.__call__).parameters
         extra: dict[str, Any] = {k: False for k in ("use_resolution_binning", "clean_caption") if k in accepted}
+        if "generator" in accepted:  # the noise a scheduler adds at each step, the same on both sides (CPU-drawn)
+            extra["generator"] = generator
         self.step_ends = []
 
         def step_ended(*args: Any) -> dict[str, Any] | None:
@@ -83,10 +89,11 @@ class Pipeline:
             self.step_ends.append(time.perf_counter())
             return args[-1] if len(args) == 4 else None  # callback_on_step_end hands its kwargs back
 
-        # Pipelines take a step callback of one of two generations: the newer, or ``callback`` with its steps.
+        # Pipelines take a step callback of one of two generations, the newer or ``callback`` with its steps, or
+        # none (then the row has no time per step)
         if "callback_on_step_end" in accepted:
             extra["callback_on_step_end"] = step_ended
-        else:
+        elif "callback" in accepted:
             extra |= {"callback": step_ended, "callback_steps": 1}
 
         with torch.inference_mode():
@@ -104,18 +111,23 @@ class Pipeline:
         self.step_ends.insert(0, started)
         return np.asarray(result.images[0], dtype=np.float32)
 
-    def median_step_s(self) -> float:
-        """The median denoising step of the last draw (the first also holds the text encoding)."""
-        return statistics.median(b - a for a, b in zip(self.step_ends, self.step_ends[1:], strict=False))
+    def median_step_s(self) -> float | None:
+        """The median denoising step of the last draw (the first also holds the text encoding); None for a
+        pipeline that reports no steps."""
+        steps = [b - a for a, b in zip(self.step_ends, self.step_ends[1:], strict=False)]
+        return statistics.median(steps) if steps else None
+
+
+def picture(image: np.ndarray) -> Any:
+    from PIL import Image
+
+    return Image.fromarray((np.clip(image, 0, 1) * 255).round().astype(np.uint8))
 
 
 def thumbnail(image: np.ndarray) -> str:
     """A small PNG of ``image``, base64: the evidence a results page shows."""
-    from PIL import Image
-
-    picture = Image.fromarray((np.clip(image, 0, 1) * 255).round().astype(np.uint8))
     buffer = io.BytesIO()
-    picture.resize((THUMBNAIL, THUMBNAIL)).save(buffer, format="PNG")
+    picture(image).resize((THUMBNAIL, THUMBNAIL)).save(buffer, format="PNG")
     return base64.b64encode(buffer.getvalue()).decode()
 
 
@@ -129,14 +141,16 @@ def agreement(produced: np.ndarray, expected: np.ndarray) -> tuple[float, float]
     return psnr, float(structural_similarity(expected, produced, data_range=1.0, channel_axis=-1))
 
 
-class TextToImage:
+class TextToImage(ComparesOutputs):
     name = Task.text_to_image
 
     def accelerator(self, spec: AcceleratorSpec, backend: Backend) -> AcceleratorData:
         parallel.whole("a diffusers pipeline", spec.world_size)
         clock = Stopwatch(announce=spec.phase_file)
         with phase(ErrorClass.load), clock.time("load"):
-            pipeline = Pipeline(spec, backend, backend.device)
+            pipeline = Pipeline(spec, backend, accelerated=True)
+        if backend.fault == "wrong_pooling":
+            raise ValueError("wrong_pooling is a fault of a sentence-transformers pipeline, not of an image model")
         if backend.fault:
             faults.inject_module(pipeline.denoiser, backend.fault)
         pipeline.denoiser.forward = backend.compile(pipeline.denoiser.forward)
@@ -146,7 +160,7 @@ class TextToImage:
             image = pipeline.draw()
         timings = accelerator_timings(clock).model_copy(update={"denoise_step_s": pipeline.median_step_s()})
         return AcceleratorData(
-            image=image.tolist(),
+            image=np.nan_to_num(image).tolist(),  # JSON holds no NaN: ``finite`` says whether there was one
             finite=bool(np.isfinite(image).all()),
             output=pipeline.output(),
             placement=backend.placement().model_copy(update={"parallelism": Parallelism.none}),
@@ -158,19 +172,18 @@ class TextToImage:
 
     def reference(self, spec: ReferenceSpec, backend: Backend) -> ReferenceResult:
         with phase(ErrorClass.load):
-            pipeline = Pipeline(spec, backend, "cpu")
+            pipeline = Pipeline(spec, backend, accelerated=False)
         with phase(ErrorClass.runtime):
             return ReferenceResult(data={"image": pipeline.draw().tolist()})
-
-    def reuse(self, acc: AcceleratorData, stored: dict[str, Any]) -> ReferenceResult | None:
-        """The stored reference image is all the verdict needs."""
-        return ReferenceResult(data=stored, reused=True)
 
     def conclude(self, acc: AcceleratorData, found: ReferenceResult, artifacts: Artifacts, dtype: str) -> Conclusion:
         produced = np.asarray(acc.image, dtype=np.float32)
         expected = np.asarray(found.data["image"], dtype=np.float32)
         tolerances = ImageTolerances.for_dtype(dtype)
-        images = {"accelerator": thumbnail(np.nan_to_num(produced)), "reference": thumbnail(expected)}
+        drawn = {"accelerator": produced, "reference": expected}
+        for side, image in drawn.items():  # whole, beside the job's other artifacts; small in the row
+            picture(image).save(artifacts.images[side])
+        images = {side: thumbnail(image) for side, image in drawn.items()}
         if not acc.finite:
             comparison = Comparison(reference_reused=found.reused, evidence={"images": images})
             return Conclusion(Verdict.FAIL, "the accelerator's image has non-finite pixels", comparison)
