@@ -80,7 +80,7 @@ class Run:
     max_rank: int | None = None
     loglik_drop: float | None = None  # reference's mean log-prob minus the accelerator text's (nats/token)
     routing_margin: float | None = None  # MoE: the reference's smallest top-k router margin over the prompt
-    divergence_routing_margin: float | None = None  # and up to the first divergence
+    max_gap_routing_margin: float | None = None  # MoE: the router margin at the step of the largest gap
     seconds: float = 0.0
     scale: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -263,12 +263,12 @@ def _fill(run: Run, report: RunReport) -> None:
     run.rule = rule_of(run.verdict, run.reason)
     run.prefill_rel_error = comparison.prefill_rel_error
     run.routing_margin = comparison.routing_margin
-    run.divergence_routing_margin = comparison.divergence_routing_margin
     run.divergence = comparison.first_divergence
     steps = (comparison.evidence or {}).get("divergent_steps") or []
     if steps:
         run.max_gap = max(s["gap"] for s in steps)
         run.max_rank = max(s["rank"] for s in steps)
+        run.max_gap_routing_margin = max(steps, key=lambda s: s["gap"]).get("routing_margin")
     if run.divergence is not None and comparison.reference_loglik is not None:
         run.loglik_drop = comparison.reference_loglik - (comparison.accelerator_loglik or 0.0)
 
@@ -470,7 +470,8 @@ def what_if(runs: list[Run]) -> list[dict[str, Any]]:
         tol = replace(base, prefill=prefill, near_tie_gap=gap, loglik_slack=slack)  # the routing rule's as they are
 
         def fails(r: Run, tol: Tolerances = tol) -> bool:
-            steps = [] if r.max_gap is None else [StepEvidence(r.divergence or 0, 0, 1, r.max_gap, r.max_rank or 0)]
+            worst = StepEvidence(r.divergence or 0, 0, 1, r.max_gap or 0.0, r.max_rank or 0, r.max_gap_routing_margin)
+            steps = [] if r.max_gap is None else [worst]
             diverged = r.divergence is not None
             reference = [1 if diverged and i >= (r.divergence or 0) else 0 for i in range(32)]
             numbers = Comparison(
@@ -480,7 +481,6 @@ def what_if(runs: list[Run]) -> list[dict[str, Any]]:
                 accelerator_loglik=-(r.loglik_drop or 0.0),
                 prefill_rel_error=r.prefill_rel_error,
                 routing_margin=r.routing_margin,
-                divergence_routing_margin=r.divergence_routing_margin,
             )
             evidence = Evidence(numbers, divergent_steps=steps)  # fmt: skip
             return decide(evidence, tol).verdict == "FAIL"

@@ -202,3 +202,29 @@ def test_the_compile_has_a_budget_of_its_own_and_a_timeout_names_its_phase(tiny_
     assert (
         "the compile phase ran past its 0.3 s budget (SUPPORTMATRIX_COMPILE_TIMEOUT_S)" in report.failure.error_message
     )
+
+
+def test_each_divergent_steps_router_margin_is_read_at_the_position_that_chose_its_token(tiny_models: Path) -> None:
+    """The routing part of the verdict's rule reads, for each divergent step, the reference's router margin at the
+    position whose logits chose that token (the prompt's last, then each token's): one forward over the prompt and
+    the tokens gives them all, the same numbers as each prefix's own last position; a dense model has none."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.runner.tasks.text_generation import router_margins, routing_margin, step_routing_margins
+    from shared.testconfig import PROMPT
+
+    moe = tiny_models / "tiny-qwen3-moe"
+    tokenizer = AutoTokenizer.from_pretrained(moe)
+    model = AutoModelForCausalLM.from_pretrained(moe).eval()
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    tokens = [5, 17, 42, 99]
+    margins = step_routing_margins(model, inputs, tokens)
+    assert margins is not None and len(margins) == len(tokens)
+    for step in range(len(tokens)):
+        prefix = torch.cat([inputs["input_ids"], torch.tensor([tokens[:step]], dtype=torch.long)], dim=1)
+        own = router_margins(model, prefix)
+        assert own is not None and abs(own[-1] - margins[step]) < 1e-4  # causal: the prefix alone gives the same
+    assert routing_margin(model, inputs) == pytest.approx(min(router_margins(model, inputs["input_ids"]) or [0]))
+    dense = AutoModelForCausalLM.from_pretrained(tiny_models / "tiny-llama").eval()
+    assert step_routing_margins(dense, inputs, tokens) is None

@@ -1,5 +1,4 @@
-"""what ran a task and what it produced: embeddings' shape, the image's agreement and its steps; a MoE's router
-margin up to the first divergence
+"""what ran a task and what it produced: embeddings' shape, the image's agreement and its steps
 
 Revision ID: 0014
 Revises: 0013
@@ -18,7 +17,6 @@ depends_on: str | Sequence[str] | None = None
 
 COLUMNS = [
     sa.Column("denoise_step_s", sa.Double(), nullable=True),
-    sa.Column("divergence_routing_margin", sa.Double(), nullable=True),
     sa.Column("image_psnr", sa.Double(), nullable=True),
     sa.Column("image_ssim", sa.Double(), nullable=True),
     sa.Column("pipeline_library", sa.String(length=32), nullable=True),

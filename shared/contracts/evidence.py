@@ -17,6 +17,8 @@ class StepEvidence:
     reference_token: int  # the reference's argmax given the accelerator's prefix
     gap: float  # reference log-prob of its argmax minus that of the accelerator's token, ≥ 0
     rank: int  # 0-based rank of the accelerator's token in the reference's distribution
+    # MoE: the reference's smallest top-k router margin, over its layers, at the position that chose this token
+    routing_margin: float | None = None
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,6 @@ class Comparison(BaseModel):
     image_psnr: float | None = None  # text-to-image: the decoded image against the reference's (dB)
     image_ssim: float | None = None  # and their structural similarity (1: the same image)
     routing_margin: float | None = None  # MoE: the reference's smallest top-k router margin at the prompt's end
-    # MoE: and at the position that chose the accelerator's first divergent token (None: none diverges)
-    divergence_routing_margin: float | None = None
     reference_reused: bool | None = None  # the CPU reference came from the stored runs
     generated_text: str | None = None
     reference_text: str | None = None

@@ -9,9 +9,9 @@ The rule (``decide``), in order — the numeric rules first, so that no judge ca
    flipped expert moves the prefill by more than the tolerance, and the run is decided by the rules below —
    with one change: a flipped expert at the prompt's end moves every later step's state, so the reference,
    scoring the accelerator's prefix with its own routing, cannot tell a near tie; a divergent step that is no
-   near tie is excused there when the text is as likely as the reference's (rule 4 holds). The same holds for a
-   near tie of the routing at the position whose logits chose the accelerator's first divergent token
-   (``divergence_routing_margin``): a flip there moves that step and those that follow, the prefill untouched.
+   near tie is excused there when the text is as likely as the reference's (rule 4 holds). So is one whose own
+   position the reference routes at a near tie (the step's ``routing_margin``): a flip there moves that very step,
+   the prefill untouched.
 3. Every one of the 32 tokens matches → PASS (a sharded run's judge may still find the text not fluent).
 4. The accelerator's text is implausible under the reference: its mean log-prob per token (raw logits,
    teacher-forced) is more than the dtype's slack below the reference's own text's → FAIL.
@@ -93,16 +93,16 @@ def decide(evidence: Evidence, tol: Tolerances) -> Decision:
                 f"the reference finds the accelerator's text implausible: {acc_loglik:.3f} "
                 f"vs {ref_loglik:.3f} nats per token (slack {tol.loglik_slack:.3g})"
             )
-        far = next((step for step in evidence.divergent_steps if not is_near_tie(step, tol)), None)
+        far_steps = [step for step in evidence.divergent_steps if not is_near_tie(step, tol)]
+        far = far_steps[0] if far_steps else None
         if far is None:
             reason = f"tokens diverge from step {divergence}, every divergence a near tie"
-        elif routed or _routing_tie(numbers.divergence_routing_margin, tol):
+        elif routed or all(_routing_tie(s.routing_margin, tol) for s in far_steps):
+            where = "after the prompt's" if routed else "at each such step's own"
             reason = (
                 f"tokens diverge from step {divergence} (step {far.step}: gap {far.gap:.3g} nats, rank {far.rank}), "
-                f"after a routing near-tie of the reference (router margin "
-                f"{min(m for m in (numbers.routing_margin, numbers.divergence_routing_margin) if m is not None):.3g}"
-                f" <= {tol.routing_tie:.3g}) that bf16 can flip, in text as likely as the reference's "
-                f"({acc_loglik:.3f} vs {ref_loglik:.3f} nats per token)"
+                f"{where} routing near-tie of the reference (router margin <= {tol.routing_tie:.3g}), which bf16 "
+                f"can flip, in text as likely as the reference's ({acc_loglik:.3f} vs {ref_loglik:.3f} nats per token)"
             )
         else:
             reason = (

@@ -29,7 +29,7 @@ from shared.contracts.enums import ErrorClass, Parallelism, Task
 from shared.contracts.evidence import Evidence, StepEvidence
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, Performance, Resources
-from shared.results.verdict import decide, first_divergence, long_outcome
+from shared.results.verdict import decide, long_outcome
 from shared.testconfig import LONG_NEW_TOKENS, NEW_TOKENS, PERF_NEW_TOKENS, PROMPT, LongTolerances, Tolerances
 
 
@@ -66,37 +66,39 @@ def _generation_kwargs(
     }
 
 
-def routing_margin(model: Any, inputs: Any, last_only: bool = False) -> float | None:
-    """A MoE model's smallest router margin over the prompt (every layer, every position, or with ``last_only``
-    the last position's alone): its k-th best expert's logit minus the next one's, k its experts per token. bf16
-    noise flips a choice that close; None for a dense model (or one whose forward returns no router logits)."""
+def router_margins(model: Any, input_ids: Any) -> list[float] | None:
+    """A MoE model's router margin at each position of ``input_ids`` (a batch of one), the smallest over its layers:
+    its k-th best expert's logit minus the next one's, k its experts per token. bf16 noise flips a choice that
+    close. None for a dense model (or one whose forward returns no router logits)."""
     import torch
 
     k = getattr(model.config, "num_experts_per_tok", None)
     if not k:
         return None
     with torch.inference_mode():
-        router = getattr(model(**inputs, output_router_logits=True), "router_logits", None)
+        out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), output_router_logits=True)
+    router = getattr(out, "router_logits", None)
     if not router:
         return None
-    # each layer's router logits, one row per token of the batch of one: the last row is the last position's
     ranked = [layer.float().reshape(-1, layer.shape[-1]).sort(dim=-1, descending=True).values for layer in router]
-    rows = [r[-1:] if last_only else r for r in ranked if r.shape[-1] > k]
-    return min(float((r[:, k - 1] - r[:, k]).min()) for r in rows)
+    return torch.stack([r[:, k - 1] - r[:, k] for r in ranked if r.shape[-1] > k]).min(dim=0).values.tolist()
 
 
-def _divergence_routing_margin(model: Any, inputs: Any, acc_tokens: list[int], ref_tokens: list[int]) -> float | None:
-    """A MoE's smallest router margin, over its layers, at the position whose logits chose the accelerator's first
-    divergent token (the last of the prompt and the accelerator's tokens before it): a near tie there is a routing
-    choice bf16 can flip at that very step. None when nothing diverges (or the model is dense)."""
+def routing_margin(model: Any, inputs: Any) -> float | None:
+    """The smallest router margin over the prompt: a near tie there that bf16 flips moves the prefill."""
+    margins = router_margins(model, inputs["input_ids"])
+    return min(margins) if margins else None
+
+
+def step_routing_margins(model: Any, inputs: Any, tokens: list[int]) -> list[float] | None:
+    """The router margin at each position that chose one of ``tokens`` (the prompt's last, then each token's but
+    the last), from one forward over the prompt and ``tokens``: where bf16 can flip the routing at that very step."""
     import torch
 
-    divergence = first_divergence(acc_tokens, ref_tokens)
-    if divergence is None:
-        return None
-    prefix = torch.tensor([acc_tokens[:divergence]], dtype=inputs["input_ids"].dtype)
-    ids = torch.cat([inputs["input_ids"], prefix], dim=1)
-    return routing_margin(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, last_only=True)
+    ids = torch.cat([inputs["input_ids"], torch.tensor([tokens], dtype=inputs["input_ids"].dtype)], dim=1)
+    margins = router_margins(model, ids)
+    start = inputs["input_ids"].shape[1] - 1
+    return None if margins is None else margins[start : start + len(tokens)]
 
 
 class _ForceTokens:
@@ -233,6 +235,8 @@ class TextGeneration:
                 scored = model.generate(**inputs, **kwargs, logits_processor=LogitsProcessorList([forced]))
                 raw_steps, processed_steps = scored.logits, forced.processed
         steps, acc_loglik, reordered = [], 0.0, []
+        # MoE: the routing at each step a divergence may come from (one more forward, only when the tokens differ)
+        margins = step_routing_margins(model, inputs, acc_tokens) if acc_tokens != ref_tokens else None
         for i, token in enumerate(acc_tokens):
             raw = torch.log_softmax(raw_steps[i][0].float(), -1)
             acc_loglik += raw[token].item() / NEW_TOKENS
@@ -242,7 +246,8 @@ class TextGeneration:
                 reordered.append(i)
             if best != token:
                 gap = processed[best].item() - processed[token].item()
-                steps.append(StepEvidence(i, token, best, gap, int((processed > processed[token]).sum())))
+                rank = int((processed > processed[token]).sum())
+                steps.append(StepEvidence(i, token, best, gap, rank, margins[i] if margins else None))
         artifacts = Artifacts(spec.artifacts)
         np.save(artifacts.reference_prefill, out.logits[0][0].float().numpy())
         accelerator_steps = np.load(artifacts.step_logits) if artifacts.step_logits.exists() else None
@@ -257,7 +262,6 @@ class TextGeneration:
             "generate_s": clock.seconds["generate"],
             "peak_rss_bytes": peak_rss_bytes(),
             "routing_margin": routing_margin(model, inputs),
-            "divergence_routing_margin": _divergence_routing_margin(model, inputs, acc_tokens, ref_tokens),
         }
         long_logprobs = None
         if acc_long:  # the reference's long text, and the accelerator's scored under it on its own prefix
@@ -301,7 +305,6 @@ class TextGeneration:
             accelerator_loglik=found.accelerator_loglik,
             reference_loglik=ref["reference_loglik"],
             routing_margin=ref.get("routing_margin"),
-            divergence_routing_margin=ref.get("divergence_routing_margin"),
             reference_reused=found.reused,
             evidence={
                 "divergent_steps": [vars(s) for s in found.divergent_steps],
