@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from services.api.deps import current_settings
 from shared.contracts.enums import Verdict
 from shared.contracts.run import RuntimeInfo
 from shared.db.engine import session_scope
@@ -127,7 +128,7 @@ def test_health_says_which_dependency_is_down(api: Any) -> None:
     assert ok.status_code == 200 and ok.json() == {"database": "ok", "redis": "ok"}
     app = api.app
     broken = Settings(redis_url="redis://127.0.0.1:1/0")
-    app.dependency_overrides[get_settings] = lambda: broken
+    app.dependency_overrides[current_settings] = lambda: broken
     try:
         down = api.get("/healthz")
     finally:

@@ -248,10 +248,10 @@ def test_sweep_starts_one_shows_it_and_waits_for_it(api_url: str, admin_token: s
     """POST /sweeps through the command. The broker is a recorder here: a real sweep message on the suite's
     shared control queue would be run later by another module's control worker. The sweep is then finished in
     SQL, as a control worker would, for `--wait` to see it end."""
+    from services.api.deps import producer
     from services.api.main import app
     from shared.contracts.enums import SweepState
     from shared.db.models import Sweep, utcnow
-    from shared.jobs.broker import get_producer
 
     one_line_error(cli(api_url, "sweep", token=new_token(Scope.submit)), "(403)", "admin")
     sent: list[Any] = []
@@ -260,11 +260,11 @@ def test_sweep_starts_one_shows_it_and_waits_for_it(api_url: str, admin_token: s
         def send_task(self, name: str, args: list[Any], queue: str) -> None:
             sent.append((name, args, queue))
 
-    app.dependency_overrides[get_producer] = Recorder
+    app.dependency_overrides[producer] = Recorder
     try:
         started = ok(cli(api_url, "sweep", token=admin_token))
     finally:
-        app.dependency_overrides.pop(get_producer, None)
+        app.dependency_overrides.pop(producer, None)
     sweep_id = int(re.fullmatch(r"sweep (\d+): queued; 0 entries; jobs: none; verdicts: none yet\n", started)[1])  # type: ignore[index]
     assert sent == [("supportmatrix.sweep", [sweep_id], "supportmatrix.control")]
     with session_scope() as session:

@@ -67,13 +67,24 @@ def _hub_pool() -> HubPool:
     return HubPool(settings.api_hub_lookups, settings.api_hub_wait_s)
 
 
+async def current_settings() -> Settings:
+    """The process's settings (``get_settings``, built once). Async: a sync dependency would cost every request a
+    hop to the thread pool and back."""
+    return get_settings()
+
+
+async def producer() -> Celery:
+    """The process's Celery producer (``get_producer``, built once); async for the same reason."""
+    return get_producer()
+
+
 get_rate_limiter = _built_once(_rate_limiter)
 get_scan_limiter = _built_once(_scan_limiter)
 get_hub_pool = _built_once(_hub_pool)
 
 SessionDep = Annotated[Session, Depends(get_session)]
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-ProducerDep = Annotated[Celery, Depends(get_producer)]
+SettingsDep = Annotated[Settings, Depends(current_settings)]
+ProducerDep = Annotated[Celery, Depends(producer)]
 HubPoolDep = Annotated[HubPool, Depends(get_hub_pool)]
 
 # auto_error=False: a missing token is answered by get_caller, with the WWW-Authenticate challenge.

@@ -187,19 +187,23 @@ class Gated(HubError):
 
 
 def read_json(model: ResolvedModel, filename: str, timeout_s: float | None = None) -> dict[str, Any]:
-    """A small JSON file of the repo at the resolved commit. Raises Gated, or Unsizable when it is missing or
-    unreadable. ``timeout_s`` defaults to ``hub_timeout_s``."""
+    """A small JSON file of the repo at the resolved commit, read-only. Raises Gated, or Unsizable when it is
+    missing or unreadable. ``timeout_s`` defaults to ``hub_timeout_s``. A file at a commit never changes: what was
+    read once is kept (``_pinned_json``), so that a second submission of a model reads no file."""
+    return _pinned_json(model.model_id, model.sha, filename, timeout_s)
+
+
+@lru_cache(maxsize=4096)  # exceptions are not kept: a missing file is asked for again
+def _pinned_json(model_id: str, sha: str, filename: str, timeout_s: float | None) -> dict[str, Any]:
     try:
-        path = hf_hub_download(
-            model.model_id, filename, revision=model.sha, etag_timeout=timeout_s or get_settings().hub_timeout_s
-        )
+        path = hf_hub_download(model_id, filename, revision=sha, etag_timeout=timeout_s or get_settings().hub_timeout_s)
         content = json.loads(Path(path).read_text())
     except GatedRepoError as exc:
-        raise Gated(f"{model.model_id} is gated and the configured token (HF_TOKEN) may not read it") from exc
+        raise Gated(f"{model_id} is gated and the configured token (HF_TOKEN) may not read it") from exc
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise Unsizable(f"{model.model_id} has no readable {filename}: {exc}") from exc
+        raise Unsizable(f"{model_id} has no readable {filename}: {exc}") from exc
     if not isinstance(content, dict):
-        raise Unsizable(f"{model.model_id}: {filename} is not a JSON object")
+        raise Unsizable(f"{model_id}: {filename} is not a JSON object")
     return content
 
 

@@ -79,22 +79,35 @@ class Submitted:
     enqueue: bool = False  # created and waiting for a worker (not settled at submission)
 
 
-def _identity(model: ResolvedModel, runtime: RuntimeInfo, task: str, cores: int) -> sa.ColumnElement[bool]:
-    return sa.and_(
-        Job.model_id == model.model_id,
-        Job.sha == model.sha,
-        *(getattr(Job, version) == getattr(runtime, version) for version in IDENTITY_VERSIONS),
-        Job.task == task,
-        Job.config_hash == config_hash(task),
-        Job.cores == cores,
-    )
+# What makes two jobs the same test, as columns of the job row.
+IDENTITY = ("model_id", "sha", *IDENTITY_VERSIONS, "task", "config_hash", "cores")
+# The newest job of an identity in some states: built once, its values bound per call (a submission of a known
+# model spent more CPU building this expression than PostgreSQL spent answering it).
+_EXISTING = (
+    sa.select(Job)
+    .where(*(getattr(Job, column) == sa.bindparam(column) for column in IDENTITY))
+    .where(Job.state.in_(sa.bindparam("states", expanding=True)))
+    .order_by(Job.id.desc())
+    .limit(1)
+)
 
 
-def _existing(session: Session, identity: sa.ColumnElement[bool], force: bool) -> Job | None:
+def _identity(model: ResolvedModel, runtime: RuntimeInfo, task: str, cores: int) -> dict[str, object]:
+    versions = {version: getattr(runtime, version) for version in IDENTITY_VERSIONS}
+    hashed = config_hash(task)
+    return {
+        "model_id": model.model_id,
+        "sha": model.sha,
+        **versions,
+        "task": task,
+        "config_hash": hashed,
+        "cores": cores,
+    }
+
+
+def _existing(session: Session, identity: dict[str, object], force: bool) -> Job | None:
     states = ACTIVE_STATES if force else (*ACTIVE_STATES, JobState.done)
-    return session.scalars(
-        sa.select(Job).where(identity, Job.state.in_(states)).order_by(Job.id.desc()).limit(1)
-    ).first()
+    return session.scalars(_EXISTING, {**identity, "states": list(states)}).first()
 
 
 def submit(
