@@ -244,11 +244,12 @@ def _queued_state(api: Any) -> tuple[int, int]:
 
 
 def test_submission_with_the_queue_down_is_a_503_that_keeps_nothing(api: Any, worker: Any) -> None:
-    from shared.jobs.broker import get_producer, make_celery
+    from services.api.deps import producer
+    from shared.jobs.broker import make_celery
     from shared.settings import Settings
 
     dead = make_celery(Settings(redis_url="redis://127.0.0.1:1/0"))
-    api.app.dependency_overrides[get_producer] = lambda: dead
+    api.app.dependency_overrides[producer] = lambda: dead
     try:
         before = _queued_state(api)
         response = api.post("/jobs", json={"model_id": "org/tiny-qwen3", "force": True})

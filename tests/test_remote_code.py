@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from services.api.deps import current_settings
 from shared.settings import get_settings
 from tests.conftest import wait_for_job
 from tests.test_pipeline import FINISHED, _queued_state, result_rows, submit
@@ -20,7 +21,7 @@ def trusting_api(api: Any, hub: Any, tiny_models: Path) -> Iterator[Any]:
     for org in ("trusted", "stranger"):
         hub.add(f"{org}/tiny-custom", tiny_models / "tiny-custom")  # tagged custom_code: its config has auto_map
     settings = get_settings().model_copy(update={"remote_code_orgs": ["trusted"]})
-    api.app.dependency_overrides[get_settings] = lambda: settings
+    api.app.dependency_overrides[current_settings] = lambda: settings
     yield api
     api.app.dependency_overrides.clear()
 

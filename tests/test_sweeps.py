@@ -19,13 +19,14 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from services.api.deps import producer
 from services.worker.beat import RedisLock
 from shared.contracts.enums import SweepState, Verdict
 from shared.contracts.run import RuntimeInfo
 from shared.db.engine import new_session
 from shared.db.models import Job, Sweep, Worker
 from shared.hub.client import ResolvedModel
-from shared.jobs.broker import get_producer, make_celery
+from shared.jobs.broker import make_celery
 from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
 from shared.jobs.submission import submit
 from shared.jobs.sweeps import candidates, open_sweep, run_sweep
@@ -161,7 +162,7 @@ def test_a_submission_the_broker_refuses_keeps_only_the_jobs_that_existed_before
 def test_a_sweep_the_broker_cannot_take_is_a_503_that_keeps_no_sweep(api: Any) -> None:
     with new_session() as db:
         before = db.scalar(sa.select(sa.func.count()).select_from(Sweep))
-    api.app.dependency_overrides[get_producer] = dead_broker
+    api.app.dependency_overrides[producer] = dead_broker
     try:
         response = api.post("/sweeps")
     finally:
