@@ -54,7 +54,7 @@ from services.api.deps import SessionDep
 from services.api.metrics import StateCollector
 from shared.auth.tokens import CHECK_SNAPSHOT_S, authenticate, create_token, recent_caller
 from shared.contracts.enums import Scope
-from shared.db.engine import make_engine
+from shared.db.engine import PING_IDLE_S, make_engine
 from shared.db.models import Job
 from shared.hub.client import ResolvedModel
 from shared.jobs.runtimes import RUNTIMES_SNAPSHOT_S, live_runtimes, plan_runtimes
@@ -404,8 +404,8 @@ def measure(engine: sa.Engine, api: ServedApi, token: str, history: History, fil
     def read_note(latencies: Latencies, rows: str, goal: Goal) -> str:
         return (
             f"{latencies.ratio(99):.1f}x the plain p99 (goal {goal.at_most:g}x): a database read's floor here is "
-            f"{floor.p(floor.ours, 50):.1f} ms p50 / {floor.p(floor.ours, 99):.1f} ms p99 (session, pool pre-ping, "
-            f"one query, rollback), then {rows} and {latencies.kilobytes:.0f} kB of JSON; the SQL is indexed "
+            f"{floor.p(floor.ours, 50):.1f} ms p50 / {floor.p(floor.ours, 99):.1f} ms p99 (a sync route's session: "
+            f"BEGIN, one query, ROLLBACK), then {rows} and {latencies.kilobytes:.0f} kB of JSON; the SQL is indexed "
             "(tests/test_query_plans.py)"
         )
 
@@ -446,15 +446,18 @@ by a request to the plain endpoint on the same keep-alive connection; POST /jobs
 {CONNECTIONS} connections. The first POST created job(s) {created}; the {sum(posts.statuses.values()):,} measured ones
 each answered 200 with the existing job (found, nothing enqueued); the plain POST answered {plain_posts.statuses}.
 
-What the reads cost beyond the plain endpoint: the floor above (its p50 is the session's cost; its p99, like every
-p99 here, is mostly this 2-CPU machine's other work, which the interleaving spreads over both sides alike), then
-the page's records. Their SQL is indexed (tests/test_query_plans.py); the records are read as plain rows through
-SQLAlchemy Core rather than the ORM (`shared.results.records.RECORD_SELECT`) and validated once, into the records
-the page is written from; a view's page reads only its own 100 jobs, its positions coming from the view's job ids
-alone (`with_results`), and on PostgreSQL those ids travel as one array parameter (`= ANY`), so the statement's text
-is the same whatever they are. The session is opened on the event loop (`services.api.deps.get_session`); a read
-makes four thread-pool hops: the settings, the route, FastAPI's validation of a sync route's answer, and the
-session's close, which rolls its transaction back.
+What the reads cost beyond the plain endpoint: the floor above (a sync route's session: BEGIN, `SELECT 1`, ROLLBACK;
+its p50 is the session's cost; its p99, like every p99 here, is mostly this 2-CPU machine's other work, which the
+interleaving spreads over both sides alike), then the page's records. `GET /results` reads them with one statement
+in one thread-pool hop (`services.api.deps.read_in_one_hop`: the route and its session's close share the hop, and
+FastAPI checks the answer on the event loop), on a connection in autocommit (no BEGIN before the statement, no
+ROLLBACK after it). The statements are indexed (tests/test_query_plans.py), read as plain rows through SQLAlchemy
+Core rather than the ORM (`shared.results.records.RECORD_SELECT`), and built once per shape with bound values
+(`_newest_first`, `_in_view`), so that SQLAlchemy finds their compiled SQL without computing a cache key each time. A
+view's page is found in SQL: the newest finished sweep's ranked entries, filtered and paged as narrow rows, and only
+the page's 100 rows read whole. Their JSON columns are parsed by pydantic-core, and the rows validated once, into the
+records the page is written from. The pool pings a connection only after it has idled {PING_IDLE_S:g} s
+(`shared.db.engine.PING_IDLE_S`), not at every checkout.
 
 POST /jobs of a model that has its job, per request: the bearer token's check comes from a snapshot kept per
 process (`shared.auth.tokens.recent_caller`: a valid token's check is kept {CHECK_SNAPSHOT_S:g} s, so a token revoked
@@ -463,10 +466,10 @@ the last use at most once a minute), the rate limit is counted in Redis, the run
 live workers' distinct runtime columns retaken at most every {RUNTIMES_SNAPSHOT_S:g} s
 (`shared.jobs.runtimes.live_runtimes`; {HOSTS * CORES_PER_HOST} workers here), the Hub's answer comes from the API's
 cache, sizing reads `config.json` through `hf_hub_download`, and the identity lookup finds the job, whose transaction
-is then committed. The rate limiter and the Hub pool are handed to the route by async dependencies, and the
-session is opened and closed on the event loop, so a request makes four thread-pool hops: the token check with its
-rate-limit call, the settings and the Celery producer (their sync functions in `shared` are the dependencies tests
-override), and the submission in the Hub pool's threads. Timed alone in this process (median ms):
+is then committed. The settings, the producer, the rate limiter and the Hub pool are handed to the route by async
+dependencies, and the session is opened and closed on the event loop, so a request makes two thread-pool hops: the
+token check with its rate-limit call, and the submission in the Hub pool's threads. Timed alone in this process
+(median ms):
 
 | step | ms |
 |---|---:|
@@ -476,10 +479,10 @@ override), and the submission in the Hub pool's threads. Timed alone in this pro
 
 The rates follow the API process's CPU: {posts.api_cpu_ms:.2f} ms per POST /jobs against {plain_posts.api_cpu_ms:.2f} ms
 per plain POST, and one process runs its Python on one CPU at a time. With the token check and the runtimes out of SQL,
-most of what remains is the submission itself (`shared.jobs.submission`, outside this part's files): the identity
-lookup builds its statement (ten comparisons, the test config's hash) and loads a `Job` through the ORM, sizing reads
-`config.json` through `hf_hub_download`, and each submission takes a pooled connection (its pre-ping), runs the
-lookup and commits: three round trips to PostgreSQL, which shares the 2 CPUs.
+most of what remains is the submission itself (`shared.jobs.submission`): the identity lookup (a statement built once,
+with bound values) loads a `Job` through the ORM, sizing reads `config.json` pinned to the model's commit (read once
+per process), and each submission takes a pooled connection, begins, runs the lookup and commits: three round trips
+to PostgreSQL, which shares the 2 CPUs, and one to Redis for the rate limit.
 
 /metrics: each family's SQL over the {history.rows:,} rows, timed in this process (ms; `bench/metrics_scrape.py`):
 

@@ -209,3 +209,34 @@ def test_openapi_types_every_response_body(api: Any) -> None:
     assert "CellDiff" in body("/results/diff", "get", "200")
     assert set(models["CellChange"]["properties"]) == {"model_id", "task", "from", "to", "from_sha", "to_sha"}
     assert {"axis", "from", "to"} <= set(models["CellDiff"]["properties"])
+
+
+def test_a_pooled_connection_is_pinged_only_after_idling_and_one_the_database_dropped_is_replaced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    import psycopg
+
+    from shared.db.engine import PING_IDLE_S, make_engine
+    from tests.conftest import PG_BASE
+
+    engine = make_engine(PG_BASE)
+    pings: list[int] = []
+    ping = engine.dialect.do_ping
+    monkeypatch.setattr(engine.dialect, "do_ping", lambda conn: pings.append(1) or ping(conn))
+
+    def backend() -> int:
+        with engine.connect() as conn:
+            return int(conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
+
+    try:
+        first = backend()
+        assert backend() == first and pings == []  # handed out again at once: no ping, no new connection
+        with psycopg.connect(PG_BASE.replace("postgresql+psycopg", "postgresql"), autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (first,))  # as a restart drops it, in the pool
+        time.sleep(PING_IDLE_S + 0.2)
+        replaced = backend()  # the ping finds it gone: the pool hands out a new one, and the read succeeds
+        assert replaced != first and pings == [1]
+    finally:
+        engine.dispose()

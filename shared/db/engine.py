@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import InterfaceError, OperationalError
+from pydantic_core import from_json
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from shared.settings import get_settings
@@ -31,10 +34,14 @@ def _private(database: str | None) -> None:
 DB_ERRORS = (OperationalError, InterfaceError)
 
 
+# JSON columns (a run's token ids, its evidence) are parsed by pydantic-core's parser, one call in Rust per value,
+# where json.loads costs four times as much in Python frames: a page of 100 records holds 200 of them.
 def make_engine(url: str, io_timeout_s: float = 10.0) -> sa.Engine:
     if url.startswith("sqlite"):
         _private(sa.engine.make_url(url).database)
-        engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        engine = sa.create_engine(
+            url, json_deserializer=from_json, connect_args={"timeout": 30, "check_same_thread": False}
+        )
 
         @sa.event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
@@ -56,7 +63,36 @@ def make_engine(url: str, io_timeout_s: float = 10.0) -> sa.Engine:
         "keepalives_count": 3,
         "tcp_user_timeout": int(io_timeout_s * 1000),
     }
-    return sa.create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10, connect_args=silent)
+    # Ten kept connections: a pool smaller than the requests an API process serves at once (its Hub lookups alone
+    # are api_hub_lookups, 8) opens a connection for each request past it and closes it after, a backend forked by
+    # PostgreSQL every time (bench/api_scale.py: a twelfth of the API's time under 8 connections' POSTs).
+    engine = sa.create_engine(url, json_deserializer=from_json, pool_size=10, max_overflow=10, connect_args=silent)
+    _ping_when_idle(engine)
+    return engine
+
+
+# A pooled connection unused this long is pinged before it is handed out. One in steady use is not: a ping is a
+# round trip per checkout (SQLAlchemy's pool_pre_ping pings every time), a sixth of a busy API's time per POST
+# /jobs (bench/api_scale.py). A connection a restarted or partitioned database dropped has been idle longer than
+# this by the time the database answers again; one that failed while in use invalidates the whole pool at once.
+PING_IDLE_S = 1.0
+
+
+def _ping_when_idle(engine: sa.Engine) -> None:
+    @sa.event.listens_for(engine, "checkin")
+    def _checked_in(dbapi_conn: Any, record: Any) -> None:
+        record.info["checked_in"] = time.monotonic()
+
+    @sa.event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_conn: Any, record: Any, proxy: Any) -> None:
+        idle_since = record.info.pop("checked_in", None)  # none: a connection just opened
+        if idle_since is None or time.monotonic() - idle_since < PING_IDLE_S:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except engine.dialect.loaded_dbapi.Error as exc:
+            # the pool drops this connection and checks out another (SQLAlchemy's recipe for a custom ping)
+            raise DisconnectionError(f"a pooled connection idle {time.monotonic() - idle_since:.0f} s is gone") from exc
 
 
 @lru_cache

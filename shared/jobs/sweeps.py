@@ -160,23 +160,6 @@ def rerun_flipped_cells(session: Session, settings: Settings, sweep: Sweep) -> l
     return queued
 
 
-def view_job_ids(session: Session, view: str, task: str | None = None) -> list[int]:
-    """The jobs of the newest finished sweep's view (trending, downloads, selected), in rank order."""
-    latest = session.scalar(
-        sa.select(Sweep.id).where(Sweep.state == SweepState.done).order_by(Sweep.id.desc()).limit(1)
-    )
-    if latest is None:
-        return []
-    stmt = (
-        sa.select(SweepEntry.job_id)
-        .where(SweepEntry.sweep_id == latest, SweepEntry.view == view, SweepEntry.job_id.is_not(None))
-        .order_by(SweepEntry.rank, SweepEntry.id)
-    )
-    if task is not None:
-        stmt = stmt.where(SweepEntry.task == task)
-    return list(dict.fromkeys(session.scalars(stmt)))
-
-
 class SweepEntryOut(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 

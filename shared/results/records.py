@@ -14,6 +14,7 @@ import datetime as dt
 import io
 import json
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Annotated, Any
 
 import pyarrow as pa
@@ -22,13 +23,12 @@ import pyarrow.parquet as pq
 import sqlalchemy as sa
 from pydantic import BaseModel, Field, create_model
 from pydantic.fields import FieldInfo
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
-from shared.contracts.enums import Verdict
+from shared.contracts.enums import SweepState, Verdict
 from shared.contracts.fields import FieldShape, Int32, shape_of
 from shared.contracts.report import row_fields
-from shared.db.models import Job, Result
+from shared.db.models import Job, Result, Sweep, SweepEntry
 from shared.results.cells import CellStatus
 
 # 2: failure signatures, graphs compiled, predicted peak memory per core; 3: columns by part; 4: runtime versions,
@@ -145,83 +145,98 @@ RECORD_SELECT = (
 )
 
 
-def _filters(
-    model_id: str | None,
-    compiler: str | None,
-    library: str | None,
-    library_version: str | None,
-    verdict: Verdict | None,
-) -> list[sa.ColumnElement[bool]]:
-    wanted: list[tuple[Any, Any]] = [
-        (Job.model_id, model_id),
-        (Job.compiler_version, compiler),
-        (Job.library, library),
-        (Job.library_version, library_version),
-        (Result.verdict, verdict),
-    ]
-    return [column == value for column, value in wanted if value is not None]
+# The filters a read of records may combine, each the column it compares with the value given.
+FILTER_COLUMNS: dict[str, sa.ColumnElement[Any]] = {
+    "model_id": Job.model_id,
+    "compiler": Job.compiler_version,
+    "library": Job.library,
+    "library_version": Job.library_version,
+    "verdict": Result.verdict,
+}
 
 
-def _job_id_in(session: Session, job_ids: Sequence[int]) -> sa.ColumnElement[bool]:
-    """``jobs.id IN job_ids``; on PostgreSQL as one array parameter (``= ANY``): one statement text however many ids,
-    which psycopg converts once and the server prepares, rather than a parameter per id expanded on every call."""
-    if session.get_bind().dialect.name == "postgresql":
-        return Job.id == sa.any_(sa.literal(list(job_ids), postgresql.ARRAY(sa.Integer)))
-    return Job.id.in_(job_ids)
+def _given(filters: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(filters) - set(FILTER_COLUMNS)
+    if unknown:
+        raise TypeError(f"no record filter {sorted(unknown)}")
+    return {name: value for name, value in filters.items() if value is not None}
 
 
-def _records(session: Session, stmt: sa.Select[Any]) -> list[ResultRecord]:
-    rows = session.connection().execute(stmt).all()  # one fetch for all of them, not one per row
+def _filtered(stmt: sa.Select[Any], names: tuple[str, ...]) -> sa.Select[Any]:
+    return stmt.where(*(FILTER_COLUMNS[name] == sa.bindparam(name) for name in names))
+
+
+# The reads below are built once per shape (which filters, whether a cursor or a limit is given) with their values
+# as bound parameters, and kept: SQLAlchemy then finds a kept statement's compiled SQL by a cache key it has already
+# computed, where a statement built anew per request would have its key (a walk of ~100 labelled columns) computed
+# on every call, which cost more than the query (bench/api_scale.py).
+@lru_cache(maxsize=128)
+def _newest_first(names: tuple[str, ...], before: bool, limited: bool) -> sa.Select[Any]:
+    stmt = _filtered(RECORD_SELECT, names)
+    if before:
+        stmt = stmt.where(Job.id < sa.bindparam("before_id"))
+    stmt = stmt.order_by(Job.id.desc())
+    return stmt.limit(sa.bindparam("limit", type_=sa.Integer)) if limited else stmt
+
+
+@lru_cache(maxsize=128)
+def _in_view(names: tuple[str, ...], by_task: bool) -> sa.Select[Any]:
+    """The records of the newest finished sweep's view, in its rank order, each job once (at its first rank)."""
+    newest = sa.select(sa.func.max(Sweep.id)).where(Sweep.state == SweepState.done).scalar_subquery()
+    first = sa.func.row_number().over(partition_by=SweepEntry.job_id, order_by=(SweepEntry.rank, SweepEntry.id))
+    entries = sa.select(SweepEntry.job_id, SweepEntry.rank, SweepEntry.id, first.label("nth")).where(
+        SweepEntry.sweep_id == newest, SweepEntry.view == sa.bindparam("view"), SweepEntry.job_id.is_not(None)
+    )
+    if by_task:
+        entries = entries.where(SweepEntry.task == sa.bindparam("task"))
+    ranked = entries.subquery("ranked")
+    # The page is chosen from narrow rows (rank, job id, the filtered columns): only its own rows are read whole.
+    page = (
+        _filtered(
+            sa.select(ranked.c.job_id, ranked.c.rank, ranked.c.id)
+            .join(Job, Job.id == ranked.c.job_id)
+            .join(Result, Result.job_id == Job.id)
+            .where(ranked.c.nth == 1),
+            names,
+        )
+        .order_by(ranked.c.rank, ranked.c.id)
+        .offset(sa.bindparam("offset", type_=sa.Integer))
+        .limit(sa.bindparam("limit", type_=sa.Integer))
+        .subquery("page")
+    )
+    return RECORD_SELECT.join(page, page.c.job_id == Job.id).order_by(page.c.rank, page.c.id)
+
+
+def _records(session: Session, stmt: sa.Select[Any], parameters: dict[str, Any]) -> list[ResultRecord]:
+    rows = session.connection().execute(stmt, parameters).all()  # one fetch for all of them, not one per row
     return [ResultRecord.model_validate(dict(zip(COLUMNS, row, strict=True))) for row in rows]
 
 
+def _task(task: str | None) -> dict[str, str]:
+    return {} if task is None else {"task": task}
+
+
 def query_results(
-    session: Session,
-    *,
-    model_id: str | None = None,
-    compiler: str | None = None,
-    library: str | None = None,
-    library_version: str | None = None,
-    verdict: Verdict | None = None,
-    before_id: int | None = None,
-    limit: int | None = None,
-    job_ids: list[int] | None = None,
+    session: Session, *, before_id: int | None = None, limit: int | None = None, **filters: Any
 ) -> list[ResultRecord]:
-    """Newest first, ``before_id`` the cursor (the last job id of the previous page); or, when ``job_ids`` is
-    given, those jobs' rows in that order (all of them: ``limit`` and ``before_id`` page the newest-first order)."""
-    stmt = RECORD_SELECT.where(*_filters(model_id, compiler, library, library_version, verdict))
-    if before_id is not None:
-        stmt = stmt.where(Job.id < before_id)
-    if job_ids is not None:
-        order = {job_id: i for i, job_id in enumerate(job_ids)}
-        rows = _records(session, stmt.where(_job_id_in(session, job_ids)))
-        return sorted(rows, key=lambda r: order[r.job_id])
-    stmt = stmt.order_by(Job.id.desc())
-    if limit is not None:
-        stmt = stmt.limit(limit)
-    return _records(session, stmt)
+    """Newest first, passing ``filters`` (``FILTER_COLUMNS``: None is no filter), ``before_id`` the cursor (the last
+    job id of the previous page)."""
+    given = _given(filters)
+    stmt = _newest_first(tuple(sorted(given)), before_id is not None, limit is not None)
+    bounds = {"before_id": before_id, "limit": limit}
+    return _records(session, stmt, given | {name: value for name, value in bounds.items() if value is not None})
 
 
-def with_results(
-    session: Session,
-    job_ids: Sequence[int],
-    *,
-    model_id: str | None = None,
-    compiler: str | None = None,
-    library: str | None = None,
-    library_version: str | None = None,
-    verdict: Verdict | None = None,
-) -> list[int]:
-    """Those of ``job_ids`` whose result passes the filters, in the given order: what a ranked list pages over,
-    found without reading the rows (a page then reads only its own)."""
-    found = set(
-        session.scalars(
-            sa.select(Job.id)
-            .join(Result, Result.job_id == Job.id)
-            .where(_job_id_in(session, job_ids), *_filters(model_id, compiler, library, library_version, verdict))
-        )
-    )
-    return [job_id for job_id in job_ids if job_id in found]
+def query_view(
+    session: Session, view: str, task: str | None, *, offset: int, limit: int, **filters: Any
+) -> tuple[list[ResultRecord], bool]:
+    """A page of the newest finished sweep's ``view`` (of one ``task``, or all), in rank order: its rows passing
+    ``filters`` from position ``offset`` (0-based), at most ``limit`` of them, and whether more follow. One
+    statement: the ranks, the filters and the page are found in SQL."""
+    given = _given(filters)
+    stmt = _in_view(tuple(sorted(given)), task is not None)
+    rows = _records(session, stmt, given | {"view": view, "offset": offset, "limit": limit + 1} | _task(task))
+    return rows[:limit], len(rows) > limit
 
 
 def table_from_rows(rows: Sequence[Sequence[Any]]) -> pa.Table:

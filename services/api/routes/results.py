@@ -6,12 +6,11 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response
 
-from services.api.deps import DiffPageDep, ScanDep, SessionDep, SettingsDep
+from services.api.deps import DiffPageDep, ScanDep, SessionDep, SettingsDep, read_in_one_hop
 from services.api.schemas import CompilerVersion, Cursor, ModelId, ResultPage, error_responses
 from shared.contracts.enums import Task, Verdict
-from shared.jobs.sweeps import view_job_ids
 from shared.results.cells import Axis, CellDiff, diff
-from shared.results.records import query_results, to_csv, to_parquet_bytes, with_results
+from shared.results.records import query_results, query_view, to_csv, to_parquet_bytes
 
 router = APIRouter(prefix="/results", tags=["results"])
 
@@ -44,6 +43,7 @@ def diff_results(
         **error_responses(422, 503),
     },
 )
+@read_in_one_hop
 def list_results(
     session: SessionDep,
     settings: SettingsDep,
@@ -67,12 +67,10 @@ def list_results(
         next_cursor = str(rows[-1].job_id) if len(rows) == limit else None
     else:
         # A view pages in its rank order: the cursor is the position (1-based) of the next page's first row among
-        # the view's rows that pass the filters. The positions come from the job ids alone; only the page's rows
-        # are read.
-        ranked = with_results(session, view_job_ids(session, view, task.value if task else None), **filters)
+        # the view's rows that pass the filters.
         start = (cursor or 1) - 1
-        rows = query_results(session, job_ids=ranked[start : start + limit])
-        next_cursor = str(start + limit + 1) if start + limit < len(ranked) else None
+        rows, more = query_view(session, view, task.value if task else None, offset=start, limit=limit, **filters)
+        next_cursor = str(start + limit + 1) if more else None
     headers = {NEXT_CURSOR_HEADER: next_cursor} if next_cursor else {}
     if format == "csv":
         return Response(to_csv(rows), media_type="text/csv", headers=headers)
