@@ -73,6 +73,21 @@ def test_a_view_pages_in_its_rank_order(api: Any, org: str) -> None:
         for rank, model_id in enumerate(ranked, start=1):
             session.add(SweepEntry(sweep_id=sweep.id, model_id=model_id, task="text-generation", view="trending",
                                    rank=rank, job_id=ids[model_id]))  # fmt: skip
+        # a job ranked twice is listed once, at its first rank; an entry without a job, another view's entries and
+        # a newer sweep still running are not the view
+        session.add_all([
+            SweepEntry(sweep_id=sweep.id, model_id=ranked[1], task="text-generation", view="trending", rank=6,
+                       job_id=ids[ranked[1]]),
+            SweepEntry(sweep_id=sweep.id, model_id=f"{org}/none", task="text-generation", view="trending", rank=2,
+                       job_id=None, note="no job"),
+            SweepEntry(sweep_id=sweep.id, model_id=ranked[4], task="text-generation", view="downloads", rank=1,
+                       job_id=ids[ranked[4]]),
+        ])  # fmt: skip
+        running = Sweep(trigger="api", state=SweepState.running, config={})
+        session.add(running)
+        session.flush()
+        session.add(SweepEntry(sweep_id=running.id, model_id=ranked[4], task="text-generation", view="trending",
+                               rank=1, job_id=ids[ranked[4]]))  # fmt: skip
     for verdict, expected in ((None, ranked), ("PASS", [m for m in ranked if m[-1] in "024"])):
         seen, cursor = [], None
         while True:
