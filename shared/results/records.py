@@ -15,7 +15,7 @@ import io
 import json
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Annotated, Any
+from typing import Annotated, Any, TypedDict, Unpack
 
 import pyarrow as pa
 import pyarrow.json as pa_json
@@ -145,7 +145,17 @@ RECORD_SELECT = (
 )
 
 
-# The filters a read of records may combine, each the column it compares with the value given.
+class RecordFilters(TypedDict, total=False):
+    """The filters a read of records may combine; None is no filter."""
+
+    model_id: str | None
+    compiler: str | None
+    library: str | None
+    library_version: str | None
+    verdict: Verdict | None
+
+
+# Each filter's column, compared with the value given.
 FILTER_COLUMNS: dict[str, sa.ColumnElement[Any]] = {
     "model_id": Job.model_id,
     "compiler": Job.compiler_version,
@@ -155,7 +165,11 @@ FILTER_COLUMNS: dict[str, sa.ColumnElement[Any]] = {
 }
 
 
-def _given(filters: dict[str, Any]) -> dict[str, Any]:
+if FILTER_COLUMNS.keys() != RecordFilters.__annotations__.keys():
+    raise TypeError("every record filter has its column, and only they")
+
+
+def _given(filters: RecordFilters) -> dict[str, Any]:
     unknown = set(filters) - set(FILTER_COLUMNS)
     if unknown:
         raise TypeError(f"no record filter {sorted(unknown)}")
@@ -217,9 +231,9 @@ def _task(task: str | None) -> dict[str, str]:
 
 
 def query_results(
-    session: Session, *, before_id: int | None = None, limit: int | None = None, **filters: Any
+    session: Session, *, before_id: int | None = None, limit: int | None = None, **filters: Unpack[RecordFilters]
 ) -> list[ResultRecord]:
-    """Newest first, passing ``filters`` (``FILTER_COLUMNS``: None is no filter), ``before_id`` the cursor (the last
+    """Newest first, passing ``filters``, ``before_id`` the cursor (the last
     job id of the previous page)."""
     given = _given(filters)
     stmt = _newest_first(tuple(sorted(given)), before_id is not None, limit is not None)
@@ -228,7 +242,7 @@ def query_results(
 
 
 def query_view(
-    session: Session, view: str, task: str | None, *, offset: int, limit: int, **filters: Any
+    session: Session, view: str, task: str | None, *, offset: int, limit: int, **filters: Unpack[RecordFilters]
 ) -> tuple[list[ResultRecord], bool]:
     """A page of the newest finished sweep's ``view`` (of one ``task``, or all), in rank order: its rows passing
     ``filters`` from position ``offset`` (0-based), at most ``limit`` of them, and whether more follow. One

@@ -10,7 +10,7 @@ from services.api.deps import DiffPageDep, ScanDep, SessionDep, SettingsDep, rea
 from services.api.schemas import CompilerVersion, Cursor, ModelId, ResultPage, error_responses
 from shared.contracts.enums import Task, Verdict
 from shared.results.cells import Axis, CellDiff, diff
-from shared.results.records import query_results, query_view, to_csv, to_parquet_bytes
+from shared.results.records import RecordFilters, query_results, query_view, to_csv, to_parquet_bytes
 
 router = APIRouter(prefix="/results", tags=["results"])
 
@@ -61,7 +61,7 @@ def list_results(
     task: Task | None = None,
 ) -> ResultPage | Response:
     limit = min(limit, settings.page_limit_max)
-    filters = {"model_id": model_id, "compiler": compiler, "library_version": library_version, "verdict": verdict}
+    filters = RecordFilters(model_id=model_id, compiler=compiler, library_version=library_version, verdict=verdict)
     if view is None:
         rows = query_results(session, **filters, before_id=cursor, limit=limit)
         next_cursor = str(rows[-1].job_id) if len(rows) == limit else None
