@@ -7,7 +7,7 @@ In a scratch schema (dropped at the end) it migrates to head and generates a yea
 ranked views, 3 000 unfinished jobs, 256 live workers), then VACUUM ANALYZEs as autovacuum would. It starts the
 real API under uvicorn (one process, as docker-compose runs it) against that schema, a Hub stand-in that serves
 one model (config and safetensors metadata only) and a Redis db of its own, and adds two routes to the app: the
-plain endpoint, which returns a constant (GET and POST), and the floor of a database read (its session and
+plain endpoint, which returns a constant (GET and POST), and a sync route's database read (its session and
 ``SELECT 1``). Every request goes over HTTP on a keep-alive connection;
 each measured request is followed by one to the plain endpoint, so that both see the same machine at the same
 moment (this machine's CPUs are shared), and the ratio compares their p99s:
@@ -96,7 +96,7 @@ POST_SECONDS = 8.0
 
 
 def served_app() -> FastAPI:
-    """The API as ``services.api.main`` builds it, plus the plain endpoint and the floor of a route that reads the
+    """The API as ``services.api.main`` builds it, plus the plain endpoint and a sync route that reads the
     database (its session, one ``SELECT 1``): same process, middleware and server."""
     from services.api.main import create_app
 
@@ -403,15 +403,15 @@ def measure(engine: sa.Engine, api: ServedApi, token: str, history: History, fil
 
     def read_note(latencies: Latencies, rows: str, goal: Goal) -> str:
         return (
-            f"{latencies.ratio(99):.1f}x the plain p99 (goal {goal.at_most:g}x): a database read's floor here is "
-            f"{floor.p(floor.ours, 50):.1f} ms p50 / {floor.p(floor.ours, 99):.1f} ms p99 (a sync route's session: "
-            f"BEGIN, one query, ROLLBACK), then {rows} and {latencies.kilobytes:.0f} kB of JSON; the SQL is indexed "
-            "(tests/test_query_plans.py)"
+            f"{latencies.ratio(99):.1f}x the plain p99 (goal {goal.at_most:g}x): {rows} and "
+            f"{latencies.kilobytes:.0f} kB of JSON, read with one indexed statement (tests/test_query_plans.py) on an "
+            "autocommit connection in one thread-pool hop; a sync route's SELECT 1 here (BEGIN, the query, ROLLBACK) "
+            f"costs {floor.p(floor.ours, 50):.1f} ms p50 / {floor.p(floor.ours, 99):.1f} ms p99"
         )
 
     slowest = sorted(((v, k) for k, v in families.items() if k != "whole scrape"), reverse=True)[:3]
     measures = [
-        *floor.measures("GET of a route reading its session (SELECT 1): the floor", goal=None),
+        *floor.measures("GET of a sync route reading its session (SELECT 1)", goal=None),
         *by_model.measures("GET /results?model_id= (20 runs)",
                            read_note(by_model, "the model's 20 records", P99_GOAL)),
         *view_first.measures("GET /results?view= first page (100 rows)",
@@ -439,15 +439,15 @@ def measure(engine: sa.Engine, api: ServedApi, token: str, history: History, fil
         f"""{history.rows:,} finished jobs with their results ({history.models:,} models, {history.rounds} rounds
 over {len(set(map(history.compiler, range(history.rounds))))} compiler versions) and {history.active:,} unfinished
 ones, generated and analysed in {fill_s:.0f} s (`testing.bulk_rows`). The API runs under uvicorn, one process, with
-one more route for the baseline (`{CONSTANT_PATH}`: a constant) and one for the floor of a database read
+one more route for the baseline (`{CONSTANT_PATH}`: a constant) and one for a sync route's database read
 (`{SESSION_PATH}`: its session and `SELECT 1`). Samples: {SAMPLES["model"]} model lookups (a different model each),
 {SAMPLES["view"]} of each view page, {SAMPLES["metrics"]} scrapes (their p99 is close to their maximum), each followed
 by a request to the plain endpoint on the same keep-alive connection; POST /jobs: {POST_SECONDS:.0f} s each,
 {CONNECTIONS} connections. The first POST created job(s) {created}; the {sum(posts.statuses.values()):,} measured ones
 each answered 200 with the existing job (found, nothing enqueued); the plain POST answered {plain_posts.statuses}.
 
-What the reads cost beyond the plain endpoint: the floor above (a sync route's session: BEGIN, `SELECT 1`, ROLLBACK;
-its p50 is the session's cost; its p99, like every p99 here, is mostly this 2-CPU machine's other work, which the
+What the reads cost beyond the plain endpoint: the sync route above (its session: BEGIN, `SELECT 1`, ROLLBACK; its
+p50 is the session's cost; its p99, like every p99 here, is mostly this 2-CPU machine's other work, which the
 interleaving spreads over both sides alike), then the page's records. `GET /results` reads them with one statement
 in one thread-pool hop (`services.api.deps.read_in_one_hop`: the route and its session's close share the hop, and
 FastAPI checks the answer on the event loop), on a connection in autocommit (no BEGIN before the statement, no
@@ -465,11 +465,11 @@ by another process is refused within that; the process that revokes one drops it
 the last use at most once a minute), the rate limit is counted in Redis, the runtimes come from a snapshot of the
 live workers' distinct runtime columns retaken at most every {RUNTIMES_SNAPSHOT_S:g} s
 (`shared.jobs.runtimes.live_runtimes`; {HOSTS * CORES_PER_HOST} workers here), the Hub's answer comes from the API's
-cache, sizing reads `config.json` through `hf_hub_download`, and the identity lookup finds the job, whose transaction
-is then committed. The settings, the producer, the rate limiter and the Hub pool are handed to the route by async
-dependencies, and the session is opened and closed on the event loop, so a request makes two thread-pool hops: the
-token check with its rate-limit call, and the submission in the Hub pool's threads. Timed alone in this process
-(median ms):
+cache, sizing reads `config.json` pinned to the model's commit (once per process), and the identity lookup finds the
+job, whose transaction is then committed. The settings, the producer, the rate limiter and the Hub pool are handed
+to the route by async dependencies, and the session is opened and closed on the event loop, so a request makes two
+thread-pool hops: the token check with its rate-limit call, and the submission in the Hub pool's threads. Timed
+alone in this process (median ms):
 
 | step | ms |
 |---|---:|

@@ -18,14 +18,14 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from sqlalchemy.orm import Session
 
-from services.api.deps import get_rate_limiter, get_scan_limiter, get_session
+from services.api.deps import get_rate_limiter, get_scan_limiter, get_session, producer
 from services.api.main import create_app
 from services.api.ratelimit import RateLimiter
 from shared.auth.tokens import create_token
 from shared.contracts.enums import ErrorClass, Scope
 from shared.db.engine import make_engine
 from shared.db.migrate import upgrade
-from shared.jobs.broker import get_producer, make_celery
+from shared.jobs.broker import make_celery
 from shared.settings import Settings, get_settings
 from tests.history import SEED_ROWS, seed_every_outcome
 
@@ -49,12 +49,12 @@ def token(hub: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         with Session(engine, expire_on_commit=False) as session:
             yield session
 
-    producer = make_celery(Settings(redis_url="memory://"))
+    never_delivers = make_celery(Settings(redis_url="memory://"))
     # Rate limiting is tested in test_auth; here it would only turn most writes into 429s.
     limiter = RateLimiter(get_settings().redis_url, limit=1_000_000, window_s=60)
     app.dependency_overrides |= {
         get_session: scratch_session,
-        get_producer: lambda: producer,
+        producer: lambda: never_delivers,
         get_rate_limiter: lambda: limiter,
         get_scan_limiter: lambda: limiter,
     }

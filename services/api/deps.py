@@ -50,8 +50,8 @@ def read_in_one_hop(route: Callable[..., T]) -> Callable[..., Awaitable[T]]:
     (rolling its transaction back) in the pool: three hops, each a wait for a thread. Here the route and the close
     share one, and the endpoint is async, so FastAPI validates the answer on the event loop (an instance of the
     response model passes as it is). Its connection is in autocommit: one statement is consistent on its own, and
-    the driver then sends no BEGIN before it and no ROLLBACK after it, two round trips of a read's four (with the
-    pool's ping and the statement)."""
+    the driver then sends no BEGIN before it and no ROLLBACK after it, two of a read's three round trips. For a
+    route that reads with one statement only: several would each see their own snapshot."""
     if "session" not in inspect.signature(route).parameters:
         raise TypeError(f"{route.__name__} takes no session")
 
