@@ -60,6 +60,7 @@ from shared.hub.client import ResolvedModel
 from shared.jobs.runtimes import RUNTIMES_SNAPSHOT_S, live_runtimes, plan_runtimes
 from shared.jobs.submission import submit
 from shared.processes import free_port, output_tail
+from shared.results.records import query_results, query_view
 from shared.settings import Settings
 from testing.bulk_rows import CORES_PER_HOST, HOSTS, History, scratch_history
 from testing.hub_standin import HubStandin
@@ -92,6 +93,7 @@ VIEW_GOAL = Goal(on="ratio", at_most=3.0)  # a view's page: 100 records of ~2 kB
 RATE_GOAL = Goal(on="ratio", at_least=0.3)  # ours ≥ 0.3 times the plain endpoint's requests/s
 SAMPLES = {"model": 600, "view": 300, "metrics": 15}
 CONNECTIONS = 8
+VIEW = ("trending", "text-generation")  # the view and task whose pages are read
 POST_SECONDS = 8.0
 
 
@@ -347,6 +349,29 @@ def submission_costs(engine: sa.Engine, token: str, job_id: int) -> dict[str, fl
     return {name: timed(step, repeat=30) * 1000 for name, step in steps.items()}
 
 
+def reads_alone(engine: sa.Engine, model_ids: list[str]) -> dict[str, list[float]]:
+    """Seconds of the reads ``GET /results`` makes, run here in this process with no HTTP around them: the
+    statement and its records (``query_results`` / ``query_view``, validation included) on an autocommit
+    connection, as the route runs them. A route cannot answer faster than its read."""
+    with Session(engine) as session:
+        session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+        reads: dict[str, tuple[int, Callable[[int], object]]] = {
+            "model": (SAMPLES["model"], lambda i: query_results(session, model_id=model_ids[i], limit=100)),
+            "view first": (SAMPLES["view"], lambda i: query_view(session, *VIEW, offset=0, limit=100)),
+            "view next": (SAMPLES["view"], lambda i: query_view(session, *VIEW, offset=100, limit=100)),
+        }
+        out: dict[str, list[float]] = {}
+        for name, (samples, read) in reads.items():
+            for i in range(3):
+                read(i)
+            out[name] = []
+            for i in range(samples):
+                started = time.perf_counter()
+                read(i)
+                out[name].append(time.perf_counter() - started)
+    return out
+
+
 def scrape_costs(engine: sa.Engine) -> dict[str, float]:
     """Each /metrics family's SQL, timed in this process (ms, bench/metrics_scrape.py's measure)."""
     settings = Settings(worker_stale_s=86400)
@@ -378,7 +403,7 @@ def measure(engine: sa.Engine, api: ServedApi, token: str, history: History, fil
     by_model = interleaved(client, lambda i: "/results?" + urlencode({"model_id": history.model_id(1 + i * step)}),
                            SAMPLES["model"])  # fmt: skip
 
-    first_page = "/results?" + urlencode({"view": "trending", "task": "text-generation", "limit": 100})
+    first_page = "/results?" + urlencode({"view": VIEW[0], "task": VIEW[1], "limit": 100})
     status, body, _ = client.request("GET", first_page)
     first = json.loads(body)
     cursor = first["next_cursor"]
@@ -388,6 +413,7 @@ def measure(engine: sa.Engine, api: ServedApi, token: str, history: History, fil
     view_first = interleaved(client, lambda i: first_page, SAMPLES["view"])
     view_next = interleaved(client, lambda i: next_page, SAMPLES["view"])
     metrics = interleaved(client, lambda i: "/metrics", SAMPLES["metrics"], warm=1)
+    alone = reads_alone(engine, [history.model_id(1 + i * step) for i in range(SAMPLES["model"])])
     families = scrape_costs(engine)
 
     submission = {"model_id": KNOWN_MODEL}
@@ -401,23 +427,27 @@ def measure(engine: sa.Engine, api: ServedApi, token: str, history: History, fil
         raise RuntimeError(f"POST /jobs of a known model answered {posts.statuses}, not only 200 (found)")
     steps = submission_costs(engine, token, created[0])
 
-    def read_note(latencies: Latencies, rows: str, goal: Goal) -> str:
+    def read_note(latencies: Latencies, rows: str, goal: Goal, read: str) -> str:
+        seconds = alone[read]
+        alone_p50, alone_p99 = Latencies.p(seconds, 50), Latencies.p(seconds, 99)
         return (
             f"{latencies.ratio(99):.1f}x the plain p99 (goal {goal.at_most:g}x): {rows} and "
             f"{latencies.kilobytes:.0f} kB of JSON, read with one indexed statement (tests/test_query_plans.py) on an "
             "autocommit connection in one thread-pool hop; a sync route's SELECT 1 here (BEGIN, the query, ROLLBACK) "
-            f"costs {floor.p(floor.ours, 50):.1f} ms p50 / {floor.p(floor.ours, 99):.1f} ms p99"
+            f"costs {floor.p(floor.ours, 50):.1f} ms p50 / {floor.p(floor.ours, 99):.1f} ms p99; the read alone, "
+            f"in this process with no HTTP (statement and records), {alone_p50:.1f} ms p50 / {alone_p99:.1f} ms p99: "
+            f"{alone_p50 / latencies.p(latencies.plain, 50):.1f}x the plain p50 before the route answers"
         )
 
     slowest = sorted(((v, k) for k, v in families.items() if k != "whole scrape"), reverse=True)[:3]
     measures = [
         *floor.measures("GET of a sync route reading its session (SELECT 1)", goal=None),
         *by_model.measures("GET /results?model_id= (20 runs)",
-                           read_note(by_model, "the model's 20 records", P99_GOAL)),
+                           read_note(by_model, "the model's 20 records", P99_GOAL, "model")),
         *view_first.measures("GET /results?view= first page (100 rows)",
-                             read_note(view_first, "100 records", VIEW_GOAL), goal=VIEW_GOAL),
+                             read_note(view_first, "100 records", VIEW_GOAL, "view first"), goal=VIEW_GOAL),
         *view_next.measures("GET /results?view= next page (cursor)",
-                            read_note(view_next, "100 records", VIEW_GOAL), goal=VIEW_GOAL),
+                            read_note(view_next, "100 records", VIEW_GOAL, "view next"), goal=VIEW_GOAL),
         *metrics.measures(
             "GET /metrics (whole scrape)",
             "a scrape serves the snapshot a background thread retakes every SUPPORTMATRIX_METRICS_REFRESH_S; "

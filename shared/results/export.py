@@ -134,14 +134,18 @@ def _newest_runs(of: sa.Select[Any]) -> sa.Select[Any]:
     return stmt.join(ranked, ranked.c.id == Job.id).where(ranked.c.newer == 1)
 
 
+def key_cells_sql(dialect: sa.Dialect, key: ExportKey) -> str:
+    """``key_cells``' query for all the key's models, compiled with its values inline (the key's versions, quoted by
+    SQLAlchemy): ADBC's driver copies out only a query without parameters."""
+    return str(_newest_runs(_key_runs(key)).compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
+
+
 def key_cells_arrow(connection: Any, dialect: sa.Dialect, key: ExportKey) -> pa.Table:
-    """``key_cells``' query for all the key's models, read through an ADBC PostgreSQL connection: the driver reads
-    the result as COPY BINARY straight into Arrow columns, as PostgreSQL types them (enums and JSON as text,
-    int4 as int32), with no Python object per value. The statement is the same SELECT, compiled with its values
-    inline (the key's versions, quoted by SQLAlchemy): the driver copies out only a query without parameters."""
-    sql = _newest_runs(_key_runs(key)).compile(dialect=dialect, compile_kwargs={"literal_binds": True})
+    """``key_cells_sql`` read through an ADBC PostgreSQL connection: the driver reads the result as COPY BINARY
+    straight into Arrow columns, as PostgreSQL types them (enums and JSON as text, int4 as int32), with no Python
+    object per value."""
     with connection.cursor() as cursor:
-        cursor.execute(str(sql))
+        cursor.execute(key_cells_sql(dialect, key))
         return cursor.fetch_arrow_table()
 
 
@@ -232,7 +236,7 @@ class ColumnarFileTables(FileTables):
         self.connections: list[Any] = []
         self.lock = threading.Lock()
 
-    def _connection(self) -> Any:
+    def connection(self) -> Any:
         connection = getattr(self.local, "connection", None)
         if connection is None:
             import adbc_driver_postgresql.dbapi
@@ -243,7 +247,7 @@ class ColumnarFileTables(FileTables):
         return connection
 
     def table(self, key: ExportKey) -> pa.Table:
-        return _arrow_table(key_cells_arrow(self._connection(), self.dialect, key))
+        return _arrow_table(key_cells_arrow(self.connection(), self.dialect, key))
 
     def tables(self, keys: Iterable[ExportKey]) -> Iterator[tuple[ExportKey, pa.Table]]:
         """Each key with its file's table, in the keys' order, READERS read ahead: at most READERS + 1 tables held."""
