@@ -93,6 +93,20 @@ def pytest_configure(config: pytest.Config) -> None:
     upgrade()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test schemathesis generates (tests/test_fuzz.py: one per API operation) gets a node id of its own. The
+    plugin names them by operation, but under pytest 9 they all got their function's node id, and pytest-xdist,
+    which schedules tests by node id, then ran one of them: the other operations went unfuzzed, unreported."""
+    from schemathesis.pytest.plugin import SchemathesisFunction
+
+    for item in items:
+        if isinstance(item, SchemathesisFunction) and item.operation_label and "[" not in item.nodeid:
+            item._id = item._id.with_params(item.operation_label)  # pytest 9 builds an item's id from its params
+    ids = [item.nodeid for item in items]
+    if len(set(ids)) != len(ids):
+        raise pytest.UsageError(f"tests sharing a node id, which pytest-xdist would run once: {sorted(ids)[:5]}")
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     import psycopg
     import redis
