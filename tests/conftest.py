@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,16 +96,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Each test schemathesis generates (tests/test_fuzz.py: one per API operation) gets a node id of its own. The
-    plugin names them by operation, but under pytest 9 they all got their function's node id, and pytest-xdist,
-    which schedules tests by node id, then ran one of them: the other operations went unfuzzed, unreported."""
+    plugin names them by operation (``test[GET /jobs]``), but pytest 9 builds an item's id from its callspec, which
+    they have none of, so all of them got their function's id; pytest-xdist's ``--dist loadfile``
+    (scripts/test.sh) keys its schedule by node id and so ran one of them: the other operations went unfuzzed,
+    unreported. Under pytest 8 their ids already carry the bracket and nothing is changed."""
     from schemathesis.pytest.plugin import SchemathesisFunction
 
     for item in items:
-        if isinstance(item, SchemathesisFunction) and item.operation_label and "[" not in item.nodeid:
-            item._id = item._id.with_params(item.operation_label)  # pytest 9 builds an item's id from its params
-    ids = [item.nodeid for item in items]
-    if len(set(ids)) != len(ids):
-        raise pytest.UsageError(f"tests sharing a node id, which pytest-xdist would run once: {sorted(ids)[:5]}")
+        if isinstance(item, SchemathesisFunction) and item.name.endswith("]") and "[" not in item.nodeid:
+            params = item.name[item.name.index("[") + 1 : -1]
+            item._id = item._id.with_params(params)
+    shared = [nodeid for nodeid, count in Counter(item.nodeid for item in items).items() if count > 1]
+    if shared:
+        raise pytest.UsageError(f"tests sharing a node id, which pytest-xdist would run once: {shared[:5]}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
