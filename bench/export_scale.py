@@ -10,7 +10,7 @@ library versions of their time): 11 files of 50,000 rows at 1 M. Then:
 - full export (``export_results``, what ``supportmatrix export`` runs) into an empty directory, against
   ``pyarrow.parquet.write_table`` of the very tables it wrote, already in memory; and, to show where the time
   goes, the part of the export spent in its SQL read (ADBC's columnar driver), the same reads one file at a time,
-  the rows they return copied out of tables holding just them (the floor of any read from SQL), and the same
+  the rows they return copied out of tables holding just them (what copying them out costs alone), and the same
   tables read as rows;
 - the export after one job (``export_jobs`` for one new result, what the collector runs after a window), the
   median of three jobs, at 10 k and at 1 M rows;
@@ -167,14 +167,14 @@ def full_export(session: Session, work: Path) -> dict[str, float]:
     # the same files' tables from the rows the driver hands over one Python tuple at a time (SQLite's path, and
     # PostgreSQL's before the columnar read)
     out["row_path"] = timed(lambda: list(FileTables(session).tables(export_keys(session))))
-    out["sequential_sql"], out["copy_floor"] = copy_floor(session)
+    out["sequential_sql"], out["copy_out"] = copy_out(session)
     return out
 
 
-def copy_floor(session: Session) -> tuple[float, float]:
+def copy_out(session: Session) -> tuple[float, float]:
     """Seconds, summed over the files read one at a time: the export's SQL read (``key_cells_arrow``), and reading
-    the very rows it returns out of a table that holds exactly them (``SELECT *`` by ADBC): what copying the rows
-    out of PostgreSQL into Arrow costs with no run to choose, the floor of any read of these files from SQL."""
+    the very rows it returns out of a temporary table that holds just them (``SELECT *`` by ADBC): what copying the
+    rows out of PostgreSQL into Arrow costs with no run to choose."""
     from shared.results.export import ColumnarFileTables, export_keys, key_cells_arrow, key_cells_sql
 
     reader = ColumnarFileTables(session)
@@ -187,14 +187,14 @@ def copy_floor(session: Session) -> tuple[float, float]:
             read_s += time.perf_counter() - started
             chosen = key_cells_sql(reader.dialect, key)
             with connection.cursor() as cursor:
-                cursor.execute(f"CREATE TEMPORARY TABLE copy_floor AS {chosen}")
+                cursor.execute(f"CREATE TEMPORARY TABLE copied_rows AS {chosen}")
             started = time.perf_counter()
             with connection.cursor() as cursor:
-                cursor.execute("SELECT * FROM copy_floor")
+                cursor.execute("SELECT * FROM copied_rows")
                 cursor.fetch_arrow_table()
             copy_s += time.perf_counter() - started
             with connection.cursor() as cursor:
-                cursor.execute("DROP TABLE copy_floor")
+                cursor.execute("DROP TABLE copied_rows")
     finally:
         reader.close()
     return read_s, copy_s
@@ -328,8 +328,8 @@ def report(
             f"{ratio / 3.0:.1f}x over the goal: its reads of the files out of PostgreSQL sum to {full['sql']:.1f} s "
             f"over its {READERS} reader threads ({full['sql'] / full['raw']:.1f}x the raw write, which starts from "
             f"tables in memory); read one at a time they take {full['sequential_sql']:.1f} s, and copying the very "
-            f"rows they return out of tables holding exactly them takes {full['copy_floor']:.1f} s "
-            f"({full['copy_floor'] / full['raw']:.1f}x the raw write): the floor of any read of these files from SQL"
+            f"rows they return out of tables holding exactly them takes {full['copy_out']:.1f} s "
+            f"({full['copy_out'] / full['raw']:.1f}x the raw write): what bringing these rows out costs on its own"
         )
     large, small = statistics.median(one_job.large), statistics.median(one_job.small)
     one_job_note = (
@@ -363,7 +363,7 @@ the compiler and library versions of their time) and {SMALL:,}; the first took {
 | ours (`export_results`, into an empty directory) | {full["ours"]:.1f} |
 | its SQL reads (`key_cells_arrow`, by ADBC into Arrow), summed over its {READERS} threads | {full["sql"]:.1f} |
 | the same reads, one file at a time | {full["sequential_sql"]:.1f} |
-| the rows those reads return, copied from tables holding just them, one at a time | {full["copy_floor"]:.1f} |
+| the rows those reads return, copied from tables holding just them, one at a time | {full["copy_out"]:.1f} |
 | raw `pyarrow.parquet.write_table` of the same {full["files"]:.0f} tables, already in memory | {full["raw"]:.2f} |
 | the same tables read as rows (`FileTables`: Python tuples, then Arrow; SQLite's path) | {full["row_path"]:.1f} |
 
@@ -373,9 +373,9 @@ which copies the result out as COPY BINARY straight into Arrow columns: no Pytho
 path above spends {full["row_path"] / full["raw"]:.1f}x the raw write. The files are read {READERS} at a time, each on a
 connection of its own, so that the server runs one file's query while the client converts another's. SQL still picks
 each cell's newest run from narrow rows (window functions) and only those are read whole; the token id lists are
-parsed from their JSON text by Arrow's kernels. The copy-out row above is what no choice of query can go below: the
-files' rows alone, already chosen, cost that much to bring out of PostgreSQL into Arrow on this machine, before any
-conversion or write. The rest of the gap is choosing each cell's run (the window functions, on the server) and
+parsed from their JSON text by Arrow's kernels. The copy-out row above reads the files' rows alone, already chosen,
+from temporary tables, one file at a time: what bringing them out of PostgreSQL into Arrow costs here before any
+choosing, conversion or write. The rest of the gap is choosing each cell's run (the window functions, on the server) and
 converting the columns; taking the choice out of the read would mean keeping the files' rows in SQL in their final
 form, written with each result: a second copy of every published row, which the export does not keep.
 
