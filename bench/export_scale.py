@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -179,22 +180,23 @@ def copy_out(session: Session) -> tuple[float, float]:
 
     reader = ColumnarFileTables(session)
     connection = reader.connection()
+
+    def execute(sql: str) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(sql)
+
+    def copied() -> object:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT * FROM copied_rows")
+            return cursor.fetch_arrow_table()
+
     read_s = copy_s = 0.0
     try:
         for key in export_keys(session):
-            started = time.perf_counter()
-            key_cells_arrow(connection, reader.dialect, key)
-            read_s += time.perf_counter() - started
-            chosen = key_cells_sql(reader.dialect, key)
-            with connection.cursor() as cursor:
-                cursor.execute(f"CREATE TEMPORARY TABLE copied_rows AS {chosen}")
-            started = time.perf_counter()
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT * FROM copied_rows")
-                cursor.fetch_arrow_table()
-            copy_s += time.perf_counter() - started
-            with connection.cursor() as cursor:
-                cursor.execute("DROP TABLE copied_rows")
+            read_s += timed(partial(key_cells_arrow, connection, reader.dialect, key))
+            execute(f"CREATE TEMPORARY TABLE copied_rows AS {key_cells_sql(reader.dialect, key)}")
+            copy_s += timed(copied)
+            execute("DROP TABLE copied_rows")
     finally:
         reader.close()
     return read_s, copy_s
