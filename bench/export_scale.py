@@ -207,7 +207,7 @@ def record_path(session: Session) -> float:
     record each), turned into a table."""
     from shared.results.records import query_results, to_table
 
-    return timed(lambda: to_table(query_results(session)))
+    return timed(lambda: to_table(query_results(session).records))
 
 
 def window(engine: sa.Engine, history: History, work: Path) -> dict[str, dict[str, int]]:

@@ -123,6 +123,8 @@ class Settings(BaseSettings):
 
     api_max_body_bytes: int = Field(65536, gt=0)
     page_limit_max: int = Field(1000, gt=0)
+    # GET /results keeps its answers by query and the records' version (services/api/answers.py), per API process.
+    results_cache_bytes: int = Field(64 * 2**20, ge=0, description="bytes of kept /results answers (0: none kept)")
     # What the results page prices a run's core-seconds at. Default: a trn2.48xlarge on demand (US East (Ohio),
     # Linux) at $44.701 an hour, divided by its 64 NeuronCores (LNC=2). Source: AWS's EC2 On-Demand pricing
     # (https://aws.amazon.com/ec2/pricing/on-demand/) as listed by instances.vantage.sh — NOT re-verified on

@@ -109,7 +109,7 @@ def test_the_exported_rows_are_the_records_the_api_serves(kind: str, tmp_path: P
         finished(session, "org/passes", A, Verdict.FAIL, force=True)  # a rerun that disagrees: FLAKY
         export_results(session, tmp_path / "export")
         newest: dict[tuple[str, str], ResultRecord] = {}
-        for rec in query_results(session):  # newest first
+        for rec in query_results(session).records:  # newest first
             newest.setdefault((rec.model_id, rec.task), rec)
         flaky = {"result": CellStatus.FLAKY}
         expected = [r.model_copy(update=flaky) if r.model_id == "org/passes" else r for _, r in sorted(newest.items())]

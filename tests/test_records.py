@@ -114,7 +114,7 @@ def test_every_field_goes_through_sql_the_record_and_parquet_unchanged(session: 
     assert row is not None
     for name, value in {**values, **versions}.items():
         assert getattr(row, name) == value, name
-    [record] = query_results(session, model_id=model.model_id)
+    [record] = query_results(session, model_id=model.model_id).records
     assert (
         record.result == Verdict.FAIL and record.neuron_cores == 2 and record.neuronx_cc == versions["compiler_version"]
     )

@@ -16,6 +16,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import Field
 from sqlalchemy.orm import Session
 
+from services.api.answers import Answers
 from services.api.errors import forbidden, rate_limited, unauthorized
 from services.api.hub_pool import HubPool
 from services.api.ratelimit import RateLimiter
@@ -51,7 +52,7 @@ def read_in_one_hop(route: Callable[..., T]) -> Callable[..., Awaitable[T]]:
     share one, and the endpoint is async, so FastAPI validates the answer on the event loop (an instance of the
     response model passes as it is). Its connection is in autocommit: one statement is consistent on its own, and
     the driver then sends no BEGIN before it and no ROLLBACK after it, two of a read's three round trips. For a
-    route that reads with one statement only: several would each see their own snapshot."""
+    route whose statements need no common snapshot: each sees its own."""
     if "session" not in inspect.signature(route).parameters:
         raise TypeError(f"{route.__name__} takes no session")
 
@@ -92,6 +93,10 @@ def _scan_limiter() -> RateLimiter:
     return RateLimiter(settings.redis_url, settings.api_scan_rate_limit, settings.api_rate_window_s)
 
 
+def _answers() -> Answers:
+    return Answers(get_settings().results_cache_bytes)
+
+
 def _hub_pool() -> HubPool:
     settings = get_settings()
     return HubPool(settings.api_hub_lookups, settings.api_hub_wait_s)
@@ -111,11 +116,13 @@ async def producer() -> Celery:
 get_rate_limiter = _built_once(_rate_limiter)
 get_scan_limiter = _built_once(_scan_limiter)
 get_hub_pool = _built_once(_hub_pool)
+get_answers = _built_once(_answers)
 
 SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(current_settings)]
 ProducerDep = Annotated[Celery, Depends(producer)]
 HubPoolDep = Annotated[HubPool, Depends(get_hub_pool)]
+AnswersDep = Annotated[Answers, Depends(get_answers)]
 
 # auto_error=False: a missing token is answered by get_caller, with the WWW-Authenticate challenge.
 _bearer = HTTPBearer(

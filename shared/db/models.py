@@ -223,6 +223,18 @@ class Result(  # type: ignore[misc]
     )  # fmt: skip
 
 
+class ResultsVersion(Base):
+    """One row (id 1): a number that every transaction inserting, changing or deleting results raises as it commits
+    (migration 0015's triggers, so that no writer can forget it). Two reads of records that found the same number,
+    and the same newest finished sweep, answer alike: the API keeps its answers by them
+    (``services/api/answers.py``)."""
+
+    __tablename__ = "results_version"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    version: Mapped[int] = mapped_column(sa.BigInteger)
+
+
 class Worker(RuntimeIdentity, Base):
     __tablename__ = "workers"
 

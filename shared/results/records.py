@@ -14,8 +14,9 @@ import datetime as dt
 import io
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Annotated, Any, TypedDict, Unpack
+from typing import Annotated, Any, NamedTuple, TypedDict, Unpack
 
 import pyarrow as pa
 import pyarrow.json as pa_json
@@ -28,7 +29,7 @@ from sqlalchemy.orm import Session
 from shared.contracts.enums import SweepState, Verdict
 from shared.contracts.fields import FieldShape, Int32, shape_of
 from shared.contracts.report import row_fields
-from shared.db.models import Job, Result, Sweep, SweepEntry
+from shared.db.models import Job, Result, ResultsVersion, Sweep, SweepEntry
 from shared.results.cells import CellStatus
 
 # 2: failure signatures, graphs compiled, predicted peak memory per core; 3: columns by part; 4: runtime versions,
@@ -175,13 +176,22 @@ def _filtered(stmt: sa.Select[Any], names: tuple[str, ...]) -> sa.Select[Any]:
     return stmt.where(*(FILTER_COLUMNS[name] == sa.bindparam(name) for name in names))
 
 
+# The newest finished sweep: the one whose entries a view's pages list.
+_NEWEST_SWEEP = sa.select(sa.func.max(Sweep.id)).where(Sweep.state == SweepState.done).scalar_subquery()
+# What every read of records depends on (``RecordsVersion``), as two columns: read alone, or beside each record row
+# (each computed once per statement), so that the records and their version come from the same snapshot.
+_VERSION_COLUMNS = (sa.select(ResultsVersion.version).where(ResultsVersion.id == 1).scalar_subquery(), _NEWEST_SWEEP)
+_VERSION = sa.select(*_VERSION_COLUMNS)
+_VERSIONED_SELECT = RECORD_SELECT.add_columns(*_VERSION_COLUMNS)
+
+
 # The reads below are built once per shape (which filters, whether a cursor or a limit is given) with their values
 # as bound parameters, and kept: SQLAlchemy then finds a kept statement's compiled SQL by a cache key it has already
 # computed, where a statement built anew per request would have its key (a walk of ~100 labelled columns) computed
 # on every call: in a cProfile of model lookups at 1 M rows, 0.5 ms a request, where PostgreSQL ran the query in 0.2.
 @lru_cache(maxsize=128)
 def _newest_first(names: tuple[str, ...], before: bool, limited: bool) -> sa.Select[Any]:
-    stmt = _filtered(RECORD_SELECT, names)
+    stmt = _filtered(_VERSIONED_SELECT, names)
     if before:
         stmt = stmt.where(Job.id < sa.bindparam("before_id"))
     stmt = stmt.order_by(Job.id.desc())
@@ -191,10 +201,9 @@ def _newest_first(names: tuple[str, ...], before: bool, limited: bool) -> sa.Sel
 @lru_cache(maxsize=128)
 def _in_view(names: tuple[str, ...], by_task: bool) -> sa.Select[Any]:
     """The records of the newest finished sweep's view, in its rank order, each job once (at its first rank)."""
-    newest = sa.select(sa.func.max(Sweep.id)).where(Sweep.state == SweepState.done).scalar_subquery()
     first = sa.func.row_number().over(partition_by=SweepEntry.job_id, order_by=(SweepEntry.rank, SweepEntry.id))
     entries = sa.select(SweepEntry.job_id, SweepEntry.rank, SweepEntry.id, first.label("nth")).where(
-        SweepEntry.sweep_id == newest, SweepEntry.view == sa.bindparam("view"), SweepEntry.job_id.is_not(None)
+        SweepEntry.sweep_id == _NEWEST_SWEEP, SweepEntry.view == sa.bindparam("view"), SweepEntry.job_id.is_not(None)
     )
     if by_task:
         entries = entries.where(SweepEntry.task == sa.bindparam("task"))
@@ -213,12 +222,41 @@ def _in_view(names: tuple[str, ...], by_task: bool) -> sa.Select[Any]:
         .limit(sa.bindparam("limit", type_=sa.Integer))
         .subquery("page")
     )
-    return RECORD_SELECT.join(page, page.c.job_id == Job.id).order_by(page.c.rank, page.c.id)
+    return _VERSIONED_SELECT.join(page, page.c.job_id == Job.id).order_by(page.c.rank, page.c.id)
 
 
-def _records(session: Session, stmt: sa.Select[Any], parameters: dict[str, Any]) -> list[ResultRecord]:
+class RecordsVersion(NamedTuple):
+    """What every read of records depends on: the results' version (``ResultsVersion``: any change to results raises
+    it as it commits) and the newest finished sweep (whose entries a view's pages list; they are written before it
+    finishes). A job's columns in a record are written with its result. Reads that find the same version answer
+    alike."""
+
+    results: int
+    newest_sweep: int | None
+
+
+def records_version(session: Session) -> RecordsVersion:
+    """The version the records are at now."""
+    results, newest_sweep = session.connection().execute(_VERSION).one()
+    return RecordsVersion(results, newest_sweep)
+
+
+@dataclass(frozen=True)
+class RecordsRead:
+    """Records as one statement read them, and the version they were read at (None when it found none: the version
+    comes beside the rows)."""
+
+    records: list[ResultRecord]
+    version: RecordsVersion | None
+    more: bool = False  # a view's page: whether more rows follow it
+
+
+def _records(session: Session, stmt: sa.Select[Any], parameters: dict[str, Any], limit: int | None) -> RecordsRead:
     rows = session.connection().execute(stmt, parameters).all()  # one fetch for all of them, not one per row
-    return [ResultRecord.model_validate(dict(zip(COLUMNS, row, strict=True))) for row in rows]
+    # zip stops at the record's columns: the version's two follow them
+    records = [ResultRecord.model_validate(dict(zip(COLUMNS, row, strict=False))) for row in rows[:limit]]
+    version = RecordsVersion(*rows[0][len(COLUMNS) :]) if rows else None
+    return RecordsRead(records, version, more=limit is not None and len(rows) > limit)
 
 
 def _task(task: str | None) -> dict[str, str]:
@@ -227,25 +265,26 @@ def _task(task: str | None) -> dict[str, str]:
 
 def query_results(
     session: Session, *, before_id: int | None = None, limit: int | None = None, **filters: Unpack[RecordFilters]
-) -> list[ResultRecord]:
-    """Newest first, passing ``filters``, ``before_id`` the cursor (the last
-    job id of the previous page)."""
+) -> RecordsRead:
+    """Newest first, passing ``filters``, ``before_id`` the cursor (the last job id of the previous page)."""
     given = _given(filters)
     stmt = _newest_first(tuple(sorted(given)), before_id is not None, limit is not None)
     bounds = {"before_id": before_id, "limit": limit}
-    return _records(session, stmt, given | {name: value for name, value in bounds.items() if value is not None})
+    return _records(
+        session, stmt, given | {name: value for name, value in bounds.items() if value is not None}, limit=None
+    )
 
 
 def query_view(
     session: Session, view: str, task: str | None, *, offset: int, limit: int, **filters: Unpack[RecordFilters]
-) -> tuple[list[ResultRecord], bool]:
+) -> RecordsRead:
     """A page of the newest finished sweep's ``view`` (of one ``task``, or all), in rank order: its rows passing
     ``filters`` from position ``offset`` (0-based), at most ``limit`` of them, and whether more follow. One
     statement: the ranks, the filters and the page are found in SQL."""
     given = _given(filters)
     stmt = _in_view(tuple(sorted(given)), task is not None)
-    rows = _records(session, stmt, given | {"view": view, "offset": offset, "limit": limit + 1} | _task(task))
-    return rows[:limit], len(rows) > limit
+    parameters = given | {"view": view, "offset": offset, "limit": limit + 1} | _task(task)
+    return _records(session, stmt, parameters, limit=limit)
 
 
 def table_from_rows(rows: Sequence[Sequence[Any]]) -> pa.Table:

@@ -125,7 +125,7 @@ def results_page(
 @router.get("/model/{model_id:path}", response_class=HTMLResponse)
 def model_page(request: Request, model_id: ModelId, session: SessionDep, settings: SettingsDep) -> Response:
     """A model's history across versions, its latest verdict with the evidence, and how to reproduce it."""
-    records = query_results(session, model_id=model_id)
+    records = query_results(session, model_id=model_id).records
     if not records:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no results for {model_id}")
     latest = records[0]

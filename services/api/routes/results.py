@@ -6,11 +6,19 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response
 
-from services.api.deps import DiffPageDep, ScanDep, SessionDep, SettingsDep, read_in_one_hop
+from services.api.answers import KeptAnswer
+from services.api.deps import AnswersDep, DiffPageDep, ScanDep, SessionDep, SettingsDep, read_in_one_hop
 from services.api.schemas import CompilerVersion, Cursor, ModelId, ResultPage, error_responses
 from shared.contracts.enums import Task, Verdict
 from shared.results.cells import Axis, CellDiff, diff
-from shared.results.records import RecordFilters, query_results, query_view, to_csv, to_parquet_bytes
+from shared.results.records import (
+    RecordFilters,
+    query_results,
+    query_view,
+    records_version,
+    to_csv,
+    to_parquet_bytes,
+)
 
 router = APIRouter(prefix="/results", tags=["results"])
 
@@ -47,6 +55,7 @@ def diff_results(
 def list_results(
     session: SessionDep,
     settings: SettingsDep,
+    answers: AnswersDep,
     model_id: Annotated[ModelId | None, Query()] = None,
     compiler: Annotated[CompilerVersion | None, Query()] = None,
     library_version: Annotated[CompilerVersion | None, Query()] = None,
@@ -59,21 +68,28 @@ def list_results(
         Query(description="the newest sweep's view, in its rank order (as the public Space shows them)"),
     ] = None,
     task: Task | None = None,
-) -> ResultPage | Response:
+) -> Response:
     limit = min(limit, settings.page_limit_max)
+    query = (model_id, compiler, library_version, verdict, limit, cursor, format, view, task)
+    kept = answers.get(query, lambda: records_version(session))
+    if kept is not None:
+        return kept
     filters = RecordFilters(model_id=model_id, compiler=compiler, library_version=library_version, verdict=verdict)
     if view is None:
-        rows = query_results(session, **filters, before_id=cursor, limit=limit)
-        next_cursor = str(rows[-1].job_id) if len(rows) == limit else None
+        read = query_results(session, **filters, before_id=cursor, limit=limit)
+        next_cursor = str(read.records[-1].job_id) if len(read.records) == limit else None
     else:
         # A view pages in its rank order: the cursor is the position (1-based) of the next page's first row among
         # the view's rows that pass the filters.
         start = (cursor or 1) - 1
-        rows, more = query_view(session, view, task.value if task else None, offset=start, limit=limit, **filters)
-        next_cursor = str(start + limit + 1) if more else None
+        read = query_view(session, view, task.value if task else None, offset=start, limit=limit, **filters)
+        next_cursor = str(start + limit + 1) if read.more else None
     headers = {NEXT_CURSOR_HEADER: next_cursor} if next_cursor else {}
     if format == "csv":
-        return Response(to_csv(rows), media_type="text/csv", headers=headers)
-    if format == "parquet":
-        return Response(to_parquet_bytes(rows), media_type="application/vnd.apache.parquet", headers=headers)
-    return ResultPage(items=rows, next_cursor=next_cursor)
+        body, media_type = to_csv(read.records).encode(), "text/csv"
+    elif format == "parquet":
+        body, media_type = to_parquet_bytes(read.records), "application/vnd.apache.parquet"
+    else:  # the response model's JSON, encoded here so that it can be kept
+        page = ResultPage(items=read.records, next_cursor=next_cursor)
+        body, media_type = page.model_dump_json().encode(), "application/json"
+    return answers.keep(query, KeptAnswer(read.version, body, media_type, headers))
