@@ -23,7 +23,7 @@ moment (this machine's CPUs are shared), and the ratio compares their p99s:
   second).
 
 The goals (issue 22): a model's lookup p99 at most twice the plain endpoint's, a view's page at most three times
-(the page asked again: a popular page is read far more often than results land),
+(the page asked again while no result changed),
 and POST /jobs at least 0.3 times the plain POST's rate.
 """
 
@@ -423,7 +423,7 @@ def measure(engine: sa.Engine, api: ServedApi, token: str, history: History, fil
     view_first = interleaved(client, lambda i: first_page, SAMPLES["view"])
     view_next = interleaved(client, lambda i: next_page, SAMPLES["view"])
 
-    def result_landed() -> None:  # what a result's commit does to the records' version
+    def result_landed() -> None:  # raises the records' version as a result's commit does (writing none)
         with engine.begin() as connection:
             connection.execute(
                 sa.update(ResultsVersion).where(ResultsVersion.id == 1).values(version=ResultsVersion.version + 1)

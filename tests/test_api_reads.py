@@ -98,39 +98,69 @@ def test_a_view_pages_in_its_rank_order(api: Any, org: str) -> None:
             if cursor is None:
                 break
         assert seen == expected
+    first_page = {"view": "trending", "task": "text-generation", "limit": 2}
+    assert [r["model_id"] for r in api.get("/results", params=first_page).json()["items"]] == ranked[:2]
+    with session_scope() as session:  # a newer sweep finishes, ranking them the other way; no result is written
+        newer = Sweep(trigger="api", state=SweepState.done, config={})
+        session.add(newer)
+        session.flush()
+        for rank, model_id in enumerate(reversed(ranked), start=1):
+            session.add(SweepEntry(sweep_id=newer.id, model_id=model_id, task="text-generation", view="trending",
+                                   rank=rank, job_id=ids[model_id]))  # fmt: skip
+    assert [r["model_id"] for r in api.get("/results", params=first_page).json()["items"]] == ranked[::-1][:2]
 
 
 def test_a_results_answer_is_kept_until_results_change_and_never_served_older(api: Any, org: str) -> None:
     """GET /results keeps each answer by its query and the records' version (services/api/answers.py). Shown by a
-    change the version cannot see (the trigger switched off for one statement): the same query answers the bytes it
-    kept, while another query reads the change. The next write of any result raises the version, and the query reads
-    its records again."""
+    change the version cannot see (triggers switched off for one statement): the same queries, as JSON and as CSV
+    (with its next cursor), answer the bytes they kept, while another query reads the change. The next write of any
+    result raises the version, and the queries read their records again. (A result that another process of the
+    session commits meanwhile raises the version too: the check is then made again.)"""
     from shared.db.models import Job, Result
+    from shared.results.records import records_version
+
+    def version() -> Any:
+        with session_scope() as session:
+            return records_version(session)
 
     model = {"model_id": f"{org}/m0"}
-    kept = api.get("/results", params=model)
-    assert kept.json()["items"][0]["verdict_reason"] is None
-    with session_scope() as session:
-        session.execute(sa.text("SET LOCAL session_replication_role = replica"))  # no triggers: the version stays
-        job_id = sa.select(Job.id).where(Job.model_id == model["model_id"]).scalar_subquery()
-        session.execute(sa.update(Result).where(Result.job_id == job_id).values(verdict_reason="changed unseen"))
-    assert api.get("/results", params=model).content == kept.content
-    [changed] = api.get("/results", params={**model, "verdict": "PASS"}).json()["items"]
-    assert changed["verdict_reason"] == "changed unseen"
-    with session_scope() as session:  # any result written (of another compiler version): the version rises
-        resolved = ResolvedModel(model_id=f"{org}/later", sha="9" * 40, gated=False, pipeline_tag=None)
-        [sub] = submit(session, resolved, None, [RUNTIME.model_copy(update={"compiler_version": "reads-later"})])
-        session.flush()
-        acquire_lease(session, sub.job.id, "reader", get_settings())
-        report = report_of(model_id=resolved.model_id, task="text-generation", backend="cpu", verdict=Verdict.PASS)
-        assert finish(session, sub.job.id, "reader", report)
-    assert api.get("/results", params=model).json()["items"][0]["verdict_reason"] == "changed unseen"
-    with session_scope() as session:  # and back, for the other tests of this org
-        session.execute(sa.update(Result).where(Result.job_id == job_id).values(verdict_reason=None))
+    queries = [model, {**model, "format": "csv"}, {"compiler": "reads-1.0", "limit": 2, "format": "csv"}]
+    job_id = sa.select(Job.id).where(Job.model_id == model["model_id"]).scalar_subquery()
+    try:
+        for attempt in range(5):
+            before = version()
+            kept = [api.get("/results", params=query) for query in queries]
+            with session_scope() as session:
+                session.execute(sa.text("SET LOCAL session_replication_role = replica"))  # no trigger fires
+                unseen = f"changed unseen ({attempt})"
+                session.execute(sa.update(Result).where(Result.job_id == job_id).values(verdict_reason=unseen))
+            again = [api.get("/results", params=query) for query in queries]
+            if version() == before:
+                break
+        else:
+            pytest.fail("results landed during each of 5 tries")
+        assert kept[0].json()["items"][0]["verdict_reason"] is None and kept[2].headers["x-next-cursor"]
+        assert [(a.content, a.headers.get("x-next-cursor")) for a in again] == [
+            (k.content, k.headers.get("x-next-cursor")) for k in kept
+        ]
+        [changed] = api.get("/results", params={**model, "verdict": "PASS"}).json()["items"]
+        assert changed["verdict_reason"] == unseen
+        with session_scope() as session:  # any result written (of another compiler version): the version rises
+            resolved = ResolvedModel(model_id=f"{org}/later", sha="9" * 40, gated=False, pipeline_tag=None)
+            [sub] = submit(session, resolved, None, [RUNTIME.model_copy(update={"compiler_version": "reads-later"})])
+            session.flush()
+            acquire_lease(session, sub.job.id, "reader", get_settings())
+            report = report_of(model_id=resolved.model_id, task="text-generation", backend="cpu", verdict=Verdict.PASS)
+            assert finish(session, sub.job.id, "reader", report)
+        assert api.get("/results", params=model).json()["items"][0]["verdict_reason"] == unseen
+        assert unseen in api.get("/results", params=queries[1]).text
+    finally:
+        with session_scope() as session:  # and back, for the other tests of this org
+            session.execute(sa.update(Result).where(Result.job_id == job_id).values(verdict_reason=None))
 
 
-def test_kept_answers_are_bounded_in_bytes_and_keep_neither_a_large_nor_an_unversioned_one() -> None:
-    from services.api.answers import LARGEST_SHARE, Answers, KeptAnswer
+def test_kept_answers_are_bounded_in_bytes_least_recently_used_first_out_and_none_large_or_unversioned() -> None:
+    from services.api.answers import LARGEST_SHARE, Answer, Answers
     from shared.results.records import RecordsVersion
 
     at = RecordsVersion(7, 1)
@@ -142,17 +172,19 @@ def test_kept_answers_are_bounded_in_bytes_and_keep_neither_a_large_nor_an_unver
         return at
 
     assert answers.get("a", current) is None and reads == [], "nothing kept: the version is not read"
-    for name in "abcdefghijklmnopq":  # 17 answers of 100 bytes: the least recently used goes
-        answers.keep(name, KeptAnswer(at, name.encode() * 100, "text/csv", {"X-Next-Cursor": "2"}))
-    assert answers.get("a", current) is None
-    kept = answers.get("q", current)
-    assert kept is not None and kept.body == b"q" * 100 and kept.headers["x-next-cursor"] == "2"
-    assert answers.get("q", lambda: RecordsVersion(8, 1)) is None, "kept at another version"
-    answers.keep("large", KeptAnswer(at, b"x" * 101, "text/csv", {}))
-    answers.keep("empty", KeptAnswer(None, b"[]", "application/json", {}))
+    for name in "abcdefghijklmnop":  # 16 answers of 100 bytes fill it
+        answers.keep(name, Answer(at, name.encode() * 100, "text/csv", {"X-Next-Cursor": "2"}))
+    assert answers.get("a", current) is not None  # "a", the first kept, is now the most recently used
+    answers.keep("q", Answer(at, b"q" * 100, "text/csv", {}))
+    assert answers.get("b", current) is None and answers.get("a", current) is not None
+    kept = answers.get("a", current)
+    assert kept is not None and kept.body == b"a" * 100 and kept.headers["x-next-cursor"] == "2"
+    assert answers.get("a", lambda: RecordsVersion(8, 1)) is None, "kept at another version"
+    answers.keep("large", Answer(at, b"x" * 101, "text/csv", {}))
+    answers.keep("empty", Answer(None, b"[]", "application/json", {}))
     assert answers.get("large", current) is None and answers.get("empty", current) is None
     assert answers.get("q", current) is not None, "neither pushed out what was kept"
-    assert Answers(max_bytes=0).keep("a", KeptAnswer(at, b"a", "text/csv", {})).body == b"a"
+    assert Answers(max_bytes=0).keep("a", Answer(at, b"a", "text/csv", {})).body == b"a"
 
 
 def test_results_as_csv_and_parquet_for_downstream_tools(api: Any, org: str) -> None:

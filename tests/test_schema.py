@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from shared.contracts.enums import Verdict
 from shared.db.engine import make_engine
 from shared.db.migrate import alembic_config, downgrade, upgrade
-from shared.db.models import Job
+from shared.db.models import Job, Result
 from shared.hub.client import ResolvedModel
 from shared.jobs.dispatch import withdraw
 from shared.jobs.lease import acquire_lease
@@ -93,33 +93,48 @@ def _finish(session: Session, job_id: int) -> None:
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
-def test_every_write_of_results_raises_their_version(kind: str, tmp_path: Path) -> None:
-    """Inserting, deleting (a withdrawn submission's) and truncating results each raise the version as they commit:
-    on PostgreSQL once per transaction, however many rows (a deferred trigger); on SQLite once per row."""
+def test_every_write_of_results_raises_their_version_as_it_commits(kind: str, tmp_path: Path) -> None:
+    """Inserting, changing and deleting results (a withdrawn submission's, or with their job), and truncating them,
+    each raise the version as they commit, and only then; to at least the time in microseconds, so that a database
+    migrated or restored anew goes on above every number it held."""
+    started_us = time.time_ns() // 1000
     with fresh_database(kind, tmp_path) as engine, Session(engine) as session:
 
         def version() -> int:  # as another connection sees it: what is committed
             with Session(engine) as reader:
                 return records_version(reader).results
 
-        assert version() == 0
+        seen = [version()]
+
+        def raised() -> bool:
+            seen.append(version())
+            return seen[-1] > seen[-2]
+
+        assert seen[0] >= started_us - 1000  # SQLite's clock is read to the millisecond
         first, second, third = _leased_jobs(session, "v", 3)
-        assert version() == 0, "jobs are not results"
+        assert not raised(), "jobs are not results"
         _finish(session, first)
         _finish(session, second)
-        assert version() == 0, "not before they commit"
+        assert not raised(), "not before they commit"
         session.commit()
-        assert version() == (1 if kind == "postgresql" else 2)
+        assert raised()
+        session.execute(sa.update(Result).where(Result.job_id == first).values(verdict_reason="changed"))
+        session.commit()
+        assert raised()
         _finish(session, third)
         session.commit()
-        assert version() == (2 if kind == "postgresql" else 3)
+        assert raised()
         withdraw(session, [third])
         session.commit()
-        assert version() == (3 if kind == "postgresql" else 4)
+        assert raised()
+        session.execute(sa.delete(Job).where(Job.id == second))  # its result goes with it
+        session.commit()
+        assert raised() and session.scalar(sa.select(sa.func.count()).select_from(Result)) == 1
         if kind == "postgresql":
             session.execute(sa.text("TRUNCATE results"))
             session.commit()
-            assert version() == 4
+            assert raised()
+        assert seen[-1] >= time.time_ns() // 1000 - 60_000_000, "raised to the time, not by one"
 
 
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "immediate"])
@@ -159,6 +174,6 @@ def test_two_writers_of_results_never_deadlock_over_the_version(deferred: bool, 
                     deadlocked.append(str(exc.orig))
                     writer.rollback()
         if deferred:
-            assert deadlocked == [] and records_version(b).results == 2
+            assert deadlocked == [] and b.scalar(sa.select(sa.func.count()).select_from(Result)) == 2
         else:
             assert len(deadlocked) == 1 and "deadlock detected" in deadlocked[0]

@@ -15,16 +15,26 @@ down_revision: str | None = "0014"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+# The number is raised to at least the time of the raise in microseconds (since 1970), not only by one: a database
+# restored from a backup, or this migration undone and done again, goes on above every number it held before, so
+# that an API process that kept answers across it never meets an old number over other rows.
+NOW_US = {
+    "postgresql": "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint",
+    "sqlite": "CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER)",
+}
 # PostgreSQL: a deferred constraint trigger raises the number as the writer commits, after every other statement of
 # its transaction. The row's lock is then the last one a writer takes, so that writers wait for each other only to
 # commit, and never deadlock over it (an immediate trigger would hold it while its transaction went on to take
-# others). Once per transaction: a bulk insert queues one call per row.
+# others). Once per transaction: a bulk insert queues one call per row. The table is named in the schema of the
+# results written, whatever the writer's search_path.
 POSTGRESQL_UP = [
-    """
+    f"""
     CREATE FUNCTION results_version_raise() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
         IF current_setting('supportmatrix.results_version_raised', true) IS DISTINCT FROM 'yes' THEN
-            UPDATE results_version SET version = version + 1 WHERE id = 1;
+            EXECUTE format('UPDATE %I.results_version SET version = greatest(version + 1, $1) WHERE id = 1',
+                           TG_TABLE_SCHEMA)
+            USING {NOW_US["postgresql"]};
             PERFORM set_config('supportmatrix.results_version_raised', 'yes', true);
         END IF;
         RETURN NULL;
@@ -55,15 +65,16 @@ def upgrade() -> None:
         sa.Column("version", sa.BigInteger(), nullable=False),
         sa.PrimaryKeyConstraint("id"),
     )
-    op.execute("INSERT INTO results_version (id, version) VALUES (1, 0)")
-    if op.get_bind().dialect.name == "postgresql":
+    dialect = op.get_bind().dialect.name
+    op.execute(f"INSERT INTO results_version (id, version) VALUES (1, {NOW_US[dialect]})")
+    if dialect == "postgresql":
         for statement in POSTGRESQL_UP:
             op.execute(statement)
     else:
         for event in SQLITE_EVENTS:
             op.execute(
                 f"CREATE TRIGGER results_version_on_{event} AFTER {event.upper()} ON results "
-                "BEGIN UPDATE results_version SET version = version + 1 WHERE id = 1; END"
+                f"BEGIN UPDATE results_version SET version = max(version + 1, {NOW_US['sqlite']}) WHERE id = 1; END"
             )
 
 

@@ -2,9 +2,8 @@
 
 Records are read with their version (``shared.results.records.RecordsVersion``: a number any change to results
 raises as it commits, and the newest finished sweep), in the same statement. A query asked again first reads the
-version alone (one row); while it is the one its answer was read at, the same bytes answer it, without reading or
-encoding its records. Kept answers are checked, not aged: none is ever older than the data. Per API process, least
-recently used first out, bounded in bytes."""
+version alone; while it is the one its answer was read at, the same bytes answer it, without reading or encoding its
+records. Kept answers are checked, not aged. Per API process, least recently used first out, bounded in bytes."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ LARGEST_SHARE = 16
 
 
 @dataclass(frozen=True)
-class KeptAnswer:
+class Answer:
     version: RecordsVersion | None  # None: the read found no rows, and with them no version; not kept
     body: bytes
     media_type: str
@@ -37,7 +36,7 @@ class Answers:
     """The kept answers of one process; thread-safe (the reads run in the thread pool)."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.kept: LRUCache[Hashable, KeptAnswer] | None = (
+        self.kept: LRUCache[Hashable, Answer] | None = (
             LRUCache(maxsize=max_bytes, getsizeof=lambda answer: len(answer.body)) if max_bytes else None
         )
         self.lock = threading.Lock()
@@ -51,7 +50,7 @@ class Answers:
             answer = self.kept.get(query)
         return answer.response() if answer is not None and answer.version == current() else None
 
-    def keep(self, query: Hashable, answer: KeptAnswer) -> Response:
+    def keep(self, query: Hashable, answer: Answer) -> Response:
         """Keep ``answer`` to ``query`` (unless it has no version or is too large to); the response that answers it."""
         kept = self.kept
         if kept is not None and answer.version is not None and len(answer.body) * LARGEST_SHARE <= kept.maxsize:

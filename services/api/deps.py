@@ -45,25 +45,23 @@ async def get_session() -> AsyncIterator[Session]:
 
 
 def read_in_one_hop(route: Callable[..., T]) -> Callable[..., Awaitable[T]]:
-    """A sync route that reads with one statement (from its ``session``), run in one hop to the thread pool.
+    """A sync route that reads (from its ``session``), run in one hop to the thread pool.
 
-    As a sync route, FastAPI would run it in the pool, then validate its answer in the pool, then close its session
-    (rolling its transaction back) in the pool: three hops, each a wait for a thread. Here the route and the close
-    share one, and the endpoint is async, so FastAPI validates the answer on the event loop (an instance of the
-    response model passes as it is). Its connection is in autocommit: one statement is consistent on its own, and
-    the driver then sends no BEGIN before it and no ROLLBACK after it, two of a read's three round trips. For a
-    route whose statements need no common snapshot: each sees its own."""
+    As a sync route, FastAPI would run it in the pool, then close its session (rolling its transaction back) in the
+    pool: two hops, each a wait for a thread. Here the route and the close share one. Its connection is in
+    autocommit: the driver sends no BEGIN before a statement and no ROLLBACK after it, two of a one-statement read's
+    three round trips. For a route whose statements each stand on their own: each sees its own snapshot."""
     if "session" not in inspect.signature(route).parameters:
         raise TypeError(f"{route.__name__} takes no session")
 
     @functools.wraps(route)
     async def endpoint(**arguments: Any) -> T:  # FastAPI passes every parameter by name
-        return await run_in_threadpool(_one_statement_read, route, arguments)
+        return await run_in_threadpool(_autocommit_read, route, arguments)
 
     return endpoint
 
 
-def _one_statement_read(route: Callable[..., T], arguments: dict[str, Any]) -> T:
+def _autocommit_read(route: Callable[..., T], arguments: dict[str, Any]) -> T:
     session: Session = arguments["session"]
     try:
         session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})

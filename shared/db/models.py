@@ -224,9 +224,10 @@ class Result(  # type: ignore[misc]
 
 
 class ResultsVersion(Base):
-    """One row (id 1): a number that every transaction inserting, changing or deleting results raises as it commits
-    (migration 0015's triggers, so that no writer can forget it). Two reads of records that found the same number,
-    and the same newest finished sweep, answer alike: the API keeps its answers by them
+    """One row (id 1): a number that every transaction inserting, changing or deleting results raises as it commits,
+    to at least the time in microseconds (migration 0015's triggers, so that no writer can forget it; the time, so
+    that a database restored from a backup goes on above the numbers it held). Two reads of records that found the
+    same number, and the same newest finished sweep, answer alike: the API keeps its answers by them
     (``services/api/answers.py``)."""
 
     __tablename__ = "results_version"

@@ -251,12 +251,16 @@ class RecordsRead:
     more: bool = False  # a view's page: whether more rows follow it
 
 
-def _records(session: Session, stmt: sa.Select[Any], parameters: dict[str, Any], limit: int | None) -> RecordsRead:
+def _records(
+    session: Session, stmt: sa.Select[Any], parameters: dict[str, Any], page_size: int | None = None
+) -> RecordsRead:
+    """The rows of ``stmt`` as records (at most ``page_size``: a row past them says more follow), and the version
+    beside them."""
     rows = session.connection().execute(stmt, parameters).all()  # one fetch for all of them, not one per row
-    # zip stops at the record's columns: the version's two follow them
-    records = [ResultRecord.model_validate(dict(zip(COLUMNS, row, strict=False))) for row in rows[:limit]]
-    version = RecordsVersion(*rows[0][len(COLUMNS) :]) if rows else None
-    return RecordsRead(records, version, more=limit is not None and len(rows) > limit)
+    width = len(COLUMNS)  # the version's two columns follow the record's
+    records = [ResultRecord.model_validate(dict(zip(COLUMNS, row[:width], strict=True))) for row in rows[:page_size]]
+    version = RecordsVersion(*rows[0][width:]) if rows else None
+    return RecordsRead(records, version, more=page_size is not None and len(rows) > page_size)
 
 
 def _task(task: str | None) -> dict[str, str]:
@@ -270,9 +274,7 @@ def query_results(
     given = _given(filters)
     stmt = _newest_first(tuple(sorted(given)), before_id is not None, limit is not None)
     bounds = {"before_id": before_id, "limit": limit}
-    return _records(
-        session, stmt, given | {name: value for name, value in bounds.items() if value is not None}, limit=None
-    )
+    return _records(session, stmt, given | {name: value for name, value in bounds.items() if value is not None})
 
 
 def query_view(
@@ -284,7 +286,7 @@ def query_view(
     given = _given(filters)
     stmt = _in_view(tuple(sorted(given)), task is not None)
     parameters = given | {"view": view, "offset": offset, "limit": limit + 1} | _task(task)
-    return _records(session, stmt, parameters, limit=limit)
+    return _records(session, stmt, parameters, page_size=limit)
 
 
 def table_from_rows(rows: Sequence[Sequence[Any]]) -> pa.Table:

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response
 
-from services.api.answers import KeptAnswer
+from services.api.answers import Answer
 from services.api.deps import AnswersDep, DiffPageDep, ScanDep, SessionDep, SettingsDep, read_in_one_hop
 from services.api.schemas import CompilerVersion, Cursor, ModelId, ResultPage, error_responses
 from shared.contracts.enums import Task, Verdict
@@ -23,6 +23,8 @@ from shared.results.records import (
 router = APIRouter(prefix="/results", tags=["results"])
 
 NEXT_CURSOR_HEADER = "X-Next-Cursor"
+# list_results' parameters that are not the query's
+DEPENDENCIES = {"session", "settings", "answers"}
 
 
 @router.get("/diff", response_model=CellDiff, responses=error_responses(422, 429, 503))
@@ -70,7 +72,10 @@ def list_results(
     task: Task | None = None,
 ) -> Response:
     limit = min(limit, settings.page_limit_max)
-    query = (model_id, compiler, library_version, verdict, limit, cursor, format, view, task)
+    # What its answer is kept by: the database, and every query parameter of the route by name (one added to the
+    # route is in it without being listed here).
+    arguments = locals()
+    query = (session.get_bind(), *((name, value) for name, value in arguments.items() if name not in DEPENDENCIES))
     kept = answers.get(query, lambda: records_version(session))
     if kept is not None:
         return kept
@@ -92,4 +97,4 @@ def list_results(
     else:  # the response model's JSON, encoded here so that it can be kept
         page = ResultPage(items=read.records, next_cursor=next_cursor)
         body, media_type = page.model_dump_json().encode(), "application/json"
-    return answers.keep(query, KeptAnswer(read.version, body, media_type, headers))
+    return answers.keep(query, Answer(read.version, body, media_type, headers))
