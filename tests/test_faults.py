@@ -549,10 +549,13 @@ def test_a_backlog_behind_a_busy_worker_holds_one_message_per_job(stack: Stack, 
             rows = [{"model_id": f"{ORG}/backlog-{i}", "state": JobState.queued, "created_at": utcnow(), **same,
                      **busy.runtime().model_dump()} for i in range(999)]  # fmt: skip
             backlog = list(session.scalars(sa.insert(Job).returning(Job.id), rows))
+            queue = busy.queue
+            # Sent before the rows are committed (the one worker is busy: none is taken): sent one by one, as
+            # commit_and_enqueue sends them, the 999 can take longer than this stack's queue grace on two loaded
+            # CPUs, and the reconciler would send the last of them again before the loop did.
+            for job_id in backlog:
+                enqueue_job(stack.producer, job_id, queue)
             session.commit()
-        queue = busy.queue
-        for job_id in backlog:  # as commit_and_enqueue sends them
-            enqueue_job(stack.producer, job_id, queue)
         ours = {f"job-{i}" for i in backlog}
 
         def held() -> tuple[int, set[str], set[str]]:
