@@ -21,7 +21,7 @@ from shared.jobs.lease import acquire_lease
 from shared.jobs.outcomes import finish
 from shared.jobs.submission import submit
 from shared.settings import Settings, get_settings
-from tests.history import report_of
+from tests.history import record, report_of
 
 RUNTIME = RuntimeInfo(
     backend="cpu", compiler_name="c", compiler_version="reads-1.0", library_version="5.0", torch_version="2"
@@ -146,12 +146,8 @@ def test_a_results_answer_is_kept_until_results_change_and_never_served_older(ap
         [changed] = api.get("/results", params={**model, "verdict": "PASS"}).json()["items"]
         assert changed["verdict_reason"] == unseen
         with session_scope() as session:  # any result written (of another compiler version): the version rises
-            resolved = ResolvedModel(model_id=f"{org}/later", sha="9" * 40, gated=False, pipeline_tag=None)
-            [sub] = submit(session, resolved, None, [RUNTIME.model_copy(update={"compiler_version": "reads-later"})])
-            session.flush()
-            acquire_lease(session, sub.job.id, "reader", get_settings())
-            report = report_of(model_id=resolved.model_id, task="text-generation", backend="cpu", verdict=Verdict.PASS)
-            assert finish(session, sub.job.id, "reader", report)
+            later = RUNTIME.model_copy(update={"compiler_version": "reads-later"})
+            record(session, f"{org}/later", later, Verdict.PASS)
         assert api.get("/results", params=model).json()["items"][0]["verdict_reason"] == unseen
         assert unseen in api.get("/results", params=queries[1]).text
     finally:
