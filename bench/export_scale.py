@@ -169,7 +169,34 @@ def full_export(session: Session, work: Path) -> dict[str, float]:
     # PostgreSQL's before the columnar read)
     out["row_path"] = timed(lambda: list(FileTables(session).tables(export_keys(session))))
     out["sequential_sql"], out["copy_out"] = copy_out(session)
+    out["server_alone"], out["sent_bytes"] = server_alone(session)
     return out
+
+
+def server_alone(session: Session) -> tuple[float, int]:
+    """Seconds PostgreSQL takes to run the export's queries and send their rows, READERS at a time as the export
+    reads them, while the client drops the bytes it receives (psycopg's ``COPY … TO STDOUT``: no conversion, no
+    Python object per row): the server's share of the read, which no client-side driver goes below; and the bytes
+    sent."""
+    import psycopg
+
+    from shared.results.export import READERS, ColumnarFileTables, export_keys, key_cells_sql
+
+    uri, dialect = ColumnarFileTables(session).uri, session.get_bind().dialect
+
+    def sent(key: ExportKey) -> int:
+        copied = f"COPY ({key_cells_sql(dialect, key)}) TO STDOUT (FORMAT binary)"
+        with (
+            psycopg.connect(uri, autocommit=True) as connection,
+            connection.cursor() as cursor,
+            cursor.copy(copied) as copy,
+        ):
+            return sum(len(block) for block in copy)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(READERS) as pool:
+        sizes = list(pool.map(sent, export_keys(session)))
+    return time.perf_counter() - started, sum(sizes)
 
 
 def copy_out(session: Session) -> tuple[float, float]:
@@ -331,7 +358,10 @@ def report(
             f"over its {READERS} reader threads ({full['sql'] / full['raw']:.1f}x the raw write, which starts from "
             f"tables in memory); read one at a time they take {full['sequential_sql']:.1f} s, and copying the very "
             f"rows they return out of tables holding exactly them takes {full['copy_out']:.1f} s "
-            f"({full['copy_out'] / full['raw']:.1f}x the raw write): what bringing these rows out costs on its own"
+            f"({full['copy_out'] / full['raw']:.1f}x the raw write): what bringing these rows out costs on its own; "
+            f"PostgreSQL alone, running the export's queries {READERS} at a time and sending their "
+            f"{full['sent_bytes'] / 1e6:,.0f} MB to a client that drops them, takes {full['server_alone']:.1f} s "
+            f"({full['server_alone'] / full['raw']:.1f}x the raw write) before any client-side work"
         )
     large, small = statistics.median(one_job.large), statistics.median(one_job.small)
     one_job_note = (
@@ -366,6 +396,8 @@ the compiler and library versions of their time) and {SMALL:,}; the first took {
 | its SQL reads (`key_cells_arrow`, by ADBC into Arrow), summed over its {READERS} threads | {full["sql"]:.1f} |
 | the same reads, one file at a time | {full["sequential_sql"]:.1f} |
 | the rows those reads return, copied from tables holding just them, one at a time | {full["copy_out"]:.1f} |
+| PostgreSQL alone: the same queries, {READERS} at a time, their {full["sent_bytes"] / 1e6:,.0f} MB sent and dropped \
+by the client | {full["server_alone"]:.1f} |
 | raw `pyarrow.parquet.write_table` of the same {full["files"]:.0f} tables, already in memory | {full["raw"]:.2f} |
 | the same tables read as rows (`FileTables`: Python tuples, then Arrow; SQLite's path) | {full["row_path"]:.1f} |
 
@@ -377,9 +409,12 @@ connection of its own, so that the server runs one file's query while the client
 each cell's newest run from narrow rows (window functions) and only those are read whole; the token id lists are
 parsed from their JSON text by Arrow's kernels. The copy-out row above reads the files' rows alone, already chosen,
 from temporary tables, one file at a time: what bringing them out of PostgreSQL into Arrow costs here before any
-choosing, conversion or write. The rest of the gap is choosing each cell's run (the window functions, on the server) and
-converting the columns; taking the choice out of the read would mean keeping the files' rows in SQL in their final
-form, written with each result: a second copy of every published row, which the export does not keep.
+choosing, conversion or write. The PostgreSQL-alone row is the floor under any client, columnar or not: the server
+choosing each cell's run (the window functions), fetching those rows whole and sending them, with the client dropping
+the bytes; {full["server_alone"] / full["raw"]:.1f}x the raw write here. Taking the choice out of the read would mean
+keeping the files' rows in SQL in their final form, written with each result: a second copy of every published row,
+which the export does not keep; and rows already in that form, copied out one file at a time (the copy-out row), take
+{full["copy_out"] / full["raw"]:.1f}x the raw write themselves.
 
 Export after one job (seconds, each of {REPEAT} reruns of a model in the round in progress): at {SMALL:,} results
 {", ".join(f"{s:.3f}" for s in one_job.small)}; at {LARGE:,}: {", ".join(f"{s:.3f}" for s in one_job.large)}. It reads
