@@ -49,6 +49,26 @@ BENCHMARKS = {
         "issue 9: verdict thresholds (30 min)",
         ("--runs", "200", "--write", "--json", ".data/bench/verdict/runs.jsonl"),
     ),
+    "calibrate_verdict_moe": Benchmark(
+        "bench.calibrate_verdict",
+        False,
+        "issue 30: the MoE routing rule at a real router shape (about an hour on 2 CPUs, 75 min budget)",
+        (
+            "--moe",
+            "--runs",
+            "200",
+            "--sharded",
+            "50",
+            "--fault-seeds",
+            "8",
+            "--budget-min",
+            "75",
+            "--write",
+            "--json",
+            "bench/results/verdict/moe-calibration.jsonl",
+            "--resume",  # the plan's runs its journal already holds are taken from it
+        ),
+    ),
     "soak": Benchmark("bench.soak", False, "issue 23: the real stack under waves of jobs and faults (20 min + drain)"),
 }
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import shutil
@@ -120,10 +121,16 @@ class _Bench:
         self.runs_dir = work / "runs"
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         self.compiled_for: tuple[Any, ...] | None = None
+        self.counting: dict[str, Any] = {}  # the one dynamo backend callable per compiler (``backend``)
         # Every finished run is appended to the journal as it ends; with --resume, a run the journal holds is taken
         # from it rather than run again: a long bench that is stopped loses only its run in progress.
         self.journal: Path | None = None
         self.resumed: dict[tuple[Any, ...], Run] = {}
+        # With ``reuse_references`` (--moe), each checkpoint's reference is computed once and reused by its later
+        # runs through ``TextGeneration.reuse``, as the service reuses a stored one: the model runs again only when
+        # the stored run is not enough (other tokens).
+        self.reuse_references = False
+        self.stored: dict[tuple[str, int, str], tuple[dict[str, Any], bytes]] = {}
 
     def open_journal(self, path: Path, resume: bool) -> None:
         self.journal = path
@@ -151,21 +158,39 @@ class _Bench:
 
     def checkpoint(self, arch: str, seed: int) -> Path:
         from bench.checkpoints import build
+        from testing import moe_fixtures
 
+        if arch in moe_fixtures.MOE_MODELS | moe_fixtures.DENSE_TWINS:
+            return moe_fixtures.build(self.models, arch, seed)
         return build(self.models, arch, seed)
 
     def backend(self, dtype: str, threads: int, fault: str | None) -> Any:
+        from services.runner.backends.base import CountingBackend
         from services.runner.backends.cpu import CpuBackend
         from shared.settings import Settings
 
-        settings = Settings(data_dir=self.work / "data", cache_dir=self.cache, cpu_dtype=dtype, cpu_threads=threads)
+        # the verdict's evidence only: no long generation, no timed generations (what the tiers add is not ruled here)
+        settings = Settings(data_dir=self.work / "data", cache_dir=self.cache, cpu_dtype=dtype, cpu_threads=threads,
+                            long_generation=False, perf_iterations=0)  # fmt: skip
+
+        counting = self.counting
 
         class BenchBackend(CpuBackend):
-            """The cpu backend with a fault that the settings' names need not list (``scale_shard@0.005``)."""
+            """The cpu backend with a fault that the settings' names need not list (``scale_shard@0.005``), compiling
+            with one backend callable for every run of this process: dynamo keys its graphs by the backend's identity,
+            so a new one each run traced the whole model again (two thirds of a 24-layer MoE run); with one, a seed's
+            new weights (the graphs' inputs) reuse the graphs an earlier seed traced, as a fresh compile would build
+            them. ``fresh_compile`` still resets dynamo where the code changes."""
 
             @property
             def fault(self) -> str | None:
                 return fault
+
+            def compile(self, fn: Any) -> Any:
+                import torch
+
+                self.counted = counting.setdefault(self.compile_backend, CountingBackend(self.compile_backend))
+                return torch.compile(fn, backend=self.counted, fullgraph=True, dynamic=False)
 
         return BenchBackend(settings)
 
@@ -200,7 +225,15 @@ class _Bench:
             ref_spec = ReferenceSpec(
                 backend="cpu", task=Task.text_generation, model_dir=model_dir, artifacts=artifacts, accelerator=acc
             )
-            found = task.reference(ref_spec, backend)
+            stored = self.stored.get((arch, seed, dtype)) if self.reuse_references else None
+            found = None if stored is None else task.reuse(acc, stored[0])
+            if found is not None and stored is not None:
+                Artifacts(artifacts).reference_prefill.write_bytes(stored[1])
+            else:
+                found = task.reference(ref_spec, backend)
+                if self.reuse_references:
+                    prefill = Artifacts(artifacts).reference_prefill.read_bytes()
+                    self.stored.setdefault((arch, seed, dtype), (found.data, prefill))
             subject = Subject(model_id=f"local/{model_dir.name}", task=Task.text_generation, backend="cpu")
             report = task.conclude(acc, found, Artifacts(artifacts), backend.dtype).into(RunReport(subject=subject))
         except RunFailure as failure:
@@ -226,7 +259,8 @@ class _Bench:
         model_dir = self.checkpoint(arch, seed)
         env = {**os.environ, "SUPPORTMATRIX_CACHE_DIR": str(self.cache),
                "SUPPORTMATRIX_DATA_DIR": str(self.work / "data"), "SUPPORTMATRIX_CPU_DTYPE": dtype,
-               "SUPPORTMATRIX_CPU_THREADS": "1"}  # fmt: skip
+               "SUPPORTMATRIX_CPU_THREADS": "1", "SUPPORTMATRIX_LONG_GENERATION": "false",
+               "SUPPORTMATRIX_PERF_ITERATIONS": "0"}  # fmt: skip
         env.pop("TMPDIR", None)  # the runner sets its own for the ranks
         if fault:
             env["SUPPORTMATRIX_CPU_FAULT"] = fault
@@ -269,6 +303,16 @@ def _fill(run: Run, report: RunReport) -> None:
         run.max_gap = max(s["gap"] for s in steps)
         run.max_rank = max(s["rank"] for s in steps)
         run.max_gap_routing_margin = max(steps, key=lambda s: s["gap"]).get("routing_margin")
+    evidence = comparison.evidence or {}
+    if "routing_flips" in evidence:  # a MoE: what the routing rule read, to re-decide the run (``moe_what_if``)
+        reason = report.verdict_reason or ""
+        excused = "prompt" if "routing flipped in the prompt" in reason else None
+        excused = "step" if "after the routing flipped" in reason else excused
+        run.extra = {"flips": evidence["routing_flips"], "roots": evidence["routing_roots"], "steps": steps,
+                     "reused": comparison.reference_reused, "excused": excused,
+                     "forced_prefill": evidence.get("forced_prefill_rel_error"),
+                     "forced_loglik": evidence.get("forced_accelerator_loglik"),
+                     "forced_best_loglik": evidence.get("forced_reference_loglik")}  # fmt: skip
     if run.divergence is not None and comparison.reference_loglik is not None:
         run.loglik_drop = comparison.reference_loglik - (comparison.accelerator_loglik or 0.0)
 
@@ -446,7 +490,7 @@ def summarize(runs: list[Run]) -> dict[str, Any]:
             "benign_fail": sum(1 for r in benign if r.verdict == "FAIL"),
             "benign_sharded": sum(1 for r in benign if r.cores > 1),
             "sharded_kinds": ", ".join(sorted({f"{r.arch} x{r.cores}" for r in benign if r.cores > 1})) or "none",
-            "routing_excused": sum(1 for r in runs if "routing near-tie" in r.reason)}  # fmt: skip
+            "routing_excused": sum(1 for r in runs if "routing flipped" in r.reason)}  # fmt: skip
 
 
 # Candidate bf16 tolerances the what-if table re-decides every run under: (prefill, near-tie gap, loglik slack).
@@ -454,11 +498,27 @@ CANDIDATES = ((0.05, 0.3, 0.3), (0.05, 0.2, 0.3), (0.05, 0.15, 0.3), (0.04, 0.2,
               (0.03, 0.15, 0.2))  # fmt: skip
 
 
+def replayed_comparison(run: Run, routing_margin: float | None = None) -> Any:
+    """A recorded run's numbers as ``decide`` reads them, to decide it again under other tolerances or another rule:
+    tokens that diverge from its first divergent step on, its prefill error, its likelihood drop."""
+    from shared.contracts.report import Comparison
+
+    divergence = run.divergence
+    reference = [1 if divergence is not None and i >= divergence else 0 for i in range(32)]
+    return Comparison(
+        generated_token_ids=[0] * 32,
+        reference_token_ids=reference,
+        reference_loglik=0.0,
+        accelerator_loglik=-(run.loglik_drop or 0.0),
+        prefill_rel_error=run.prefill_rel_error,
+        routing_margin=routing_margin,
+    )
+
+
 def what_if(runs: list[Run]) -> list[dict[str, Any]]:
     """Every single-core run re-decided by ``decide`` under candidate tolerances: the worst divergent step stands
     for all (a step fails when its rank or its gap is beyond the tolerance, so the worst gap and rank decide)."""
     from shared.contracts.evidence import Evidence, StepEvidence
-    from shared.contracts.report import Comparison
     from shared.results.verdict import decide
     from shared.testconfig import Tolerances
 
@@ -472,16 +532,7 @@ def what_if(runs: list[Run]) -> list[dict[str, Any]]:
         def fails(r: Run, tol: Tolerances = tol) -> bool:
             worst = StepEvidence(r.divergence or 0, 0, 1, r.max_gap or 0.0, r.max_rank or 0, r.max_gap_routing_margin)
             steps = [] if r.max_gap is None else [worst]
-            diverged = r.divergence is not None
-            reference = [1 if diverged and i >= (r.divergence or 0) else 0 for i in range(32)]
-            numbers = Comparison(
-                generated_token_ids=[0] * 32,
-                reference_token_ids=reference,
-                reference_loglik=0.0,
-                accelerator_loglik=-(r.loglik_drop or 0.0),
-                prefill_rel_error=r.prefill_rel_error,
-                routing_margin=r.routing_margin,
-            )
+            numbers = replayed_comparison(r, routing_margin=r.routing_margin)
             evidence = Evidence(numbers, divergent_steps=steps)  # fmt: skip
             return decide(evidence, tol).verdict == "FAIL"
 
@@ -521,7 +572,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     lines.append(
         f"**Benign false FAIL: {summary['benign_fail']} / {summary['benign_n']}** "
         f"({100 * summary['benign_fail'] / max(summary['benign_n'], 1):.1f} %; {summary['benign_sharded']} of them "
-        f"sharded: {summary['sharded_kinds']}; MoE prefill errors excused at a routing near-tie: "
+        f"sharded: {summary['sharded_kinds']}; MoE runs excused where the routing flipped at a near tie: "
         f"{summary['routing_excused']}). Smallest shard scale caught on every "
         f"architecture: {_fmt(summary['smallest_scale_all'])}; on some: {_fmt(summary['smallest_scale_any'])}."
     )
@@ -773,6 +824,297 @@ def outputs_markdown(runs: list[OutputRun], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# --- MoE at a real router shape (issue 30) -----------------------------------------------------------------
+
+MOE_HEADING = "## Verdict calibration: MoE at a real router shape (issue 30)"
+# single-core faults on both the MoE fixtures and the dense ones (the dense catch rates of the same run)
+MOE_FAULTS = ("scale_shard_10pct", "cache_position", "permute_experts")
+DENSE_FAULTS = ("scale_shard_10pct", "cache_position")
+# the tiny 2-layer fixtures, and a dense model of the MoE fixtures' own depth and width (testing.moe_fixtures)
+DENSE_FAULT_ARCHS = ("tiny-llama", "tiny-qwen3", "tiny-mistral", "dense-llama-24x32")
+ROUTING_TIES = (0.02, 0.05, 0.1, 0.25, 0.5)  # the what-if table's routing_tie candidates
+
+
+def _dense_twin(run: Run, moe_archs: set[str]) -> bool:
+    from testing.moe_fixtures import DENSE_TWINS
+
+    return run.arch in DENSE_TWINS
+
+
+# The dense runs a MoE fault's catch rate is compared with: the tiny fixtures, and the model of the MoE's own shape
+# (the same fault moves a 24-layer model's logits less than a 2-layer one's, MoE or not). Both are reported; the
+# issue asked for "dense models", so the calibration is done only when the MoE is caught as often as on each.
+DENSE_KINDS: tuple[tuple[str, Any], ...] = (
+    ("dense, 2 layers", lambda r, moe: r.arch not in moe and not _dense_twin(r, moe)),
+    ("dense, 24 layers", _dense_twin),
+)
+
+
+@dataclass
+class MoePlan:
+    moe_archs: list[str]
+    benign_seeds: int  # per MoE architecture, single core, 2 threads
+    fault_seeds: int  # per (fault, architecture), MoE and dense alike
+    sharded_seeds: int  # benign EP runs over 2 ranks, per MoE architecture
+    budget_s: float  # no run starts past it: what ran is reported, with what did not
+
+
+def make_moe_plan(runs: int, sharded: int, fault_seeds: int, budget_min: float) -> MoePlan:
+    from testing.moe_fixtures import MOE_MODELS
+
+    archs = list(MOE_MODELS)
+    return MoePlan(archs, -(-runs // len(archs)), fault_seeds, -(-sharded // len(archs)), budget_min * 60)
+
+
+def execute_moe(plan: MoePlan, bench: _Bench, log: Any) -> tuple[list[Run], list[str]]:
+    """Seed by seed: the benign runs, the faults, an EP run; a run that would start past the budget is not run, and
+    is named in the table's note."""
+    started = time.monotonic()
+    runs: list[Run] = []
+    not_run: list[str] = []
+
+    def record(label: str, make: Any) -> None:
+        if time.monotonic() - started > plan.budget_s:
+            not_run.append(label)
+            return
+        run = make()
+        runs.append(run)
+        roots = run.extra.get("roots") or []
+        print(f"[{len(runs):4d}] {run.kind:18s} {run.arch:18s} s{run.seed} c{run.cores} {run.verdict:5s} "
+              f"{run.rule:9s} prefill {_fmt(run.prefill_rel_error)} div {run.divergence} gap {_fmt(run.max_gap)} "
+              f"flips {run.extra.get('flips')} roots {[(r['step'], r['layer'], r['margin']) for r in roots][:6]} "
+              f"excused {run.extra.get('excused')} ({run.seconds:.1f} s) {run.reason[:200]}",
+              file=log, flush=True)  # fmt: skip
+
+    def faulted(seed: int) -> None:
+        for fault in MOE_FAULTS:
+            for arch in plan.moe_archs:
+                record(f"{fault} {arch} s{seed}", lambda a=arch, f=fault, s=seed: bench.single(f, a, s, 2, fault=f))
+        for arch in DENSE_FAULT_ARCHS:
+            for fault in DENSE_FAULTS:
+                record(f"{fault} {arch} s{seed}", lambda a=arch, f=fault, s=seed: bench.single(f, a, s, 2, fault=f))
+
+    # In rounds, so that a run cut short by the budget still holds every kind: each round a block of seeds' benign
+    # runs (the first of a checkpoint compiles and stores its reference), their EP runs on those references, then a
+    # seed's faults. Within a block the runs of one architecture follow each other: its compiled graphs serve every
+    # seed (dynamo's guards check the new weights' shapes), where alternating architectures traced both every run.
+    block = max(1, -(-plan.benign_seeds // max(1, plan.fault_seeds)))
+    benign_seeds, sharded_seeds = iter(range(plan.benign_seeds)), iter(range(plan.sharded_seeds))
+    sharded_block = max(1, -(-plan.sharded_seeds // max(1, plan.fault_seeds)))
+    for round_ in range(max(plan.fault_seeds, 1)):
+        seeds = [seed for _, seed in zip(range(block), benign_seeds, strict=False)]
+        ep_seeds = [seed for _, seed in zip(range(sharded_block), sharded_seeds, strict=False)]
+        for arch in plan.moe_archs:
+            for seed in seeds:
+                record(f"benign {arch} s{seed}", lambda a=arch, s=seed: bench.single("benign", a, s, 2))
+            for seed in ep_seeds:
+                record(f"benign {arch} s{seed} EP 2", lambda a=arch, s=seed: bench.sharded("benign", a, s, 2))
+        if round_ < plan.fault_seeds:
+            faulted(round_)
+    return runs, not_run
+
+
+def moe_decide(run: Run, routing_tie: float, counterfactual: bool = True) -> str:
+    """A MoE run re-decided by ``decide`` from what it recorded, under another ``routing_tie``: its divergent steps,
+    its prefill error and likelihoods, the roots of its routing flips (which alone the routing rule reads) and its
+    counterfactual. Without ``counterfactual``, as rule version 4 decided: the flips explain whatever they excuse."""
+    from shared.contracts.evidence import Evidence, RoutingFlip, StepEvidence
+    from shared.results.verdict import decide
+    from shared.testconfig import Tolerances
+
+    steps = [StepEvidence(**step) for step in run.extra.get("steps") or []]
+    # the counterfactual's (rule version 5; none in older runs)
+    forced, forced_loglik = run.extra.get("forced_prefill"), run.extra.get("forced_loglik")
+    forced_best = run.extra.get("forced_best_loglik")
+    if not counterfactual:
+        steps, forced, forced_loglik = [replace(step, forced_gap=0.0, forced_rank=0) for step in steps], 0.0, None
+    numbers = replayed_comparison(run)
+    # The roots are the run's own rule version's (a null margin: no near tie at all): re-decided here under the
+    # code's routing_roots, a run recorded under version 3 (its roots a subset of version 4's) can only be excused
+    # more often than version 4 would excuse it.
+    flips = [RoutingFlip(**root) for root in run.extra.get("roots") or []] if "roots" in run.extra else None
+    tol = replace(Tolerances.for_dtype("bfloat16"), routing_tie=routing_tie)
+    evidence = Evidence(numbers, steps, routing_flips=flips, forced_prefill_rel_error=forced,
+                        forced_accelerator_loglik=forced_loglik, forced_reference_loglik=forced_best)  # fmt: skip
+    return decide(evidence, tol).verdict.value
+
+
+def moe_decide_v2(run: Run) -> str:
+    """What rule version 2 decided from the same evidence, for the comparison: it excused on the reference's margins
+    alone (0.05: its routing_tie) — the prompt's smallest for the prefill, each far step's own — never asking
+    whether the routing flipped."""
+    from shared.contracts.evidence import StepEvidence
+    from shared.results.verdict import is_near_tie
+    from shared.testconfig import Tolerances
+
+    tol, tie = Tolerances.for_dtype("bfloat16"), 0.05
+    routed = (run.prefill_rel_error or 0.0) > tol.prefill
+    if routed and (run.routing_margin is None or run.routing_margin > tie or run.prefill_rel_error > tol.routing_cap):
+        return "FAIL"
+    if run.divergence is None:
+        return "PASS"
+    if (run.loglik_drop or 0.0) > tol.loglik_slack:
+        return "FAIL"
+    far = [s for s in (StepEvidence(**step) for step in run.extra.get("steps") or []) if not is_near_tie(s, tol)]
+    excused = routed or all(s.routing_margin is not None and s.routing_margin <= tie for s in far)
+    return "PASS" if excused else "FAIL"
+
+
+def run_minutes(runs: list[Run]) -> float:
+    """The runs' own wall clock, summed (each run's compile and, where it ran, its reference included): the same
+    whether the plan ran in one sitting or was resumed over several."""
+    return sum(r.seconds for r in runs) / 60
+
+
+def moe_status(runs: list[Run], not_run: list[str], moe_archs: set[str], routing_tie: float) -> str:
+    """What this run settles, said plainly: how much of the plan ran, each goal met or not, whether the faults' roots
+    sit apart from the benign ones, and what the plan would take at this run's pace."""
+    done = [r for r in runs if r.rule != "error"]
+    benign = [r for r in done if r.kind == "benign" and r.arch in moe_archs]
+    single, sharded = sum(r.cores == 1 for r in benign), sum(r.cores > 1 for r in benign)
+    false_fails = sum(r.verdict == "FAIL" for r in benign)
+    planned = len(runs) + len(not_run)
+    calibrated = single >= 200 and sharded >= 50 and false_fails == 0
+    compared, every_kind = [], True  # per kind of dense model: every fault caught as often on the MoE, the counts
+    for kind, pick in DENSE_KINDS:
+        said, met = [], True
+        for fault in DENSE_FAULTS:
+            moe = [r for r in done if r.kind == fault and r.arch in moe_archs]
+            dense = [r for r in done if r.kind == fault and pick(r, moe_archs)]
+            caught = sum(r.verdict == "FAIL" for r in moe), sum(r.verdict == "FAIL" for r in dense)
+            met = met and bool(moe) and bool(dense) and caught[0] * len(dense) >= caught[1] * len(moe)
+            said.append(f"{fault} {caught[0]} of {len(moe)} vs {caught[1]} of {len(dense)}")
+        compared.append(f"as often as {kind} — {'met' if met else 'NOT met'} ({'; '.join(said)})")
+        every_kind = every_kind and met
+    benign_roots = [root["margin"] for r in benign for root in r.extra.get("roots") or [] if root["margin"] is not None]
+    benign_top = max(benign_roots, default=None)
+    hidden = [
+        r for r in done if r.kind != "benign" and r.arch in moe_archs and r.extra.get("roots")
+        and benign_top is not None
+        and all(root["margin"] is not None and root["margin"] <= benign_top for root in r.extra["roots"])
+    ]  # fmt: skip
+    pace_s = run_minutes(runs) * 60 / len(runs) if runs else None
+    text = (
+        f"**Calibration: {'done' if calibrated and every_kind else 'NOT done'}.** {len(runs)} of {planned} planned "
+        f"runs ran ({single} benign single-core, {sharded} sharded). Benign goals (>= 200 benign bf16, >= 50 sharded, "
+        f"0 false FAIL; {false_fails} here): {'met' if calibrated else 'NOT met'}. Faults: each caught on the MoE at "
+        "least " + ", and ".join(compared) + "."
+    )
+    if benign_top is not None:
+        text += (
+            f" {len(hidden)} faulted MoE run(s) have every root of their routing flips at a margin no larger than the "
+            f"benign runs' largest ({_fmt(benign_top)}): at routing_tie {routing_tie:g} no threshold on the roots "
+            f"alone separates those from rounding; the counterfactual FAILs {sum(r.verdict == 'FAIL' for r in hidden)} "
+            "of them."
+        )
+    if pace_s is not None:
+        text += (
+            f" At this run's pace of {pace_s:.0f} s a run (their own wall clock, compiles and references included), "
+            f"the plan's {planned} runs take about {planned * pace_s / 3600:.1f} h on this machine."
+        )
+    return text
+
+
+def moe_markdown(runs: list[Run], not_run: list[str], meta: dict[str, Any]) -> str:
+    from shared.testconfig import VERDICT_RULE_VERSION, Tolerances
+
+    tol = Tolerances.for_dtype("bfloat16")
+    done = [r for r in runs if r.rule != "error"]
+    moe_archs = set(meta["moe_archs"])
+    benign = [r for r in done if r.kind == "benign"]
+    lines = [
+        MOE_HEADING,
+        "",
+        f"{meta['date']} · {meta['machine']} · torch {meta['torch']}, transformers {meta['transformers']} · "
+        f"`{meta['command']}` · {len(runs)} runs, {run_minutes(runs):.1f} min of their own wall clock",
+        "",
+        f"MoE fixtures ({', '.join(sorted(moe_archs))}: 24 layers, 64 experts, hidden 32; `testing/moe_fixtures.py`), "
+        "bf16 inductor (2 threads; EP over 2 ranks through the runner CLI) against the bf16 eager reference, each "
+        "checkpoint's reference reusable by its later runs where the service would reuse a stored one — "
+        f"{sum(bool(r.extra.get('reused')) for r in runs)} of {len(runs)} here: a run whose routing flipped in the "
+        "prompt needs the model for its counterfactual, and every MoE run's did. Faults on one core: a "
+        "10 % scaled shard, an off-by-one decode position, the last rank's experts rotated by one (MoE only); the "
+        f"same on dense models ({', '.join(DENSE_FAULT_ARCHS)}: the tiny 2-layer fixtures and a Llama of the MoE "
+        "fixtures' depth and width, attention sharpened alike) in the same run. The rule as the code has it "
+        f"(version {VERDICT_RULE_VERSION}: a flip excuses only what the reference re-run with the accelerator's "
+        f"experts forced reproduces): routing_tie {tol.routing_tie:g}, routing_cap {tol.routing_cap:g}. routing_tie "
+        "is an absolute gap of router logits, measured here at router logits of 1-2: a real router's larger logits "
+        "round in larger bf16 steps. A root kept as null (inf below) is a flip to an expert outside the reference's "
+        "top k+8 logits, or against no expert: no near tie the rule can measure.",
+        "",
+        "| runs | n | FAIL | rate | excused by a routing flip (prompt / step) | flips per run median | "
+        "largest root margin |",
+        "|---|---:|---:|---:|---|---:|---:|",
+    ]
+
+    def group_row(label: str, group: list[Run]) -> str:
+        fails = sum(r.verdict == "FAIL" for r in group)
+        prompt = sum(r.extra.get("excused") == "prompt" for r in group)
+        step = sum(r.extra.get("excused") == "step" for r in group)
+        flips = [r.extra["flips"] for r in group if r.extra.get("flips") is not None]
+        # a root kept as null is no near tie at all: inf
+        margins = [
+            math.inf if root["margin"] is None else root["margin"] for r in group for root in r.extra.get("roots") or []
+        ]
+        rate = f"{100 * fails / len(group):.0f} %" if group else "-"
+        median = statistics.median(flips) if flips else None
+        return (f"| {label} | {len(group)} | {fails} | {rate} | {prompt} / {step} | {_fmt(median)} | "
+                f"{_fmt(max(margins, default=None))} |")  # fmt: skip
+
+    for label, group in (
+        ("benign MoE, 1 core", [r for r in benign if r.cores == 1 and r.arch in moe_archs]),
+        ("benign MoE, EP 2", [r for r in benign if r.cores > 1 and r.arch in moe_archs]),
+    ):
+        lines.append(group_row(label, group))
+    for fault in MOE_FAULTS:
+        for kind, pick in (("MoE", lambda r, moe: r.arch in moe), *DENSE_KINDS):
+            group = [r for r in done if r.kind == fault and pick(r, moe_archs)]
+            if group:
+                lines.append(group_row(f"{fault}, {kind}", group))
+    errors = [r for r in runs if r.rule == "error"]
+    false_fails = [r for r in benign if r.verdict == "FAIL"]
+    sharded_n = sum(r.cores > 1 for r in benign)
+    met = len(benign) - sharded_n >= 200 and sharded_n >= 50 and not false_fails
+    lines += ["", f"**Benign false FAIL: {len(false_fails)} / {len(benign)}** ({sharded_n} sharded). Goals (issue 30): "
+              f"0 false FAIL over >= 200 benign single-core and >= 50 sharded runs — "
+              f"{'met' if met else 'not met by this run'}.", ""]  # fmt: skip
+    lines += [moe_status(runs, not_run, moe_archs, tol.routing_tie), ""]
+    lines += [
+        "What if: every MoE run re-decided under another routing_tie, from its recorded evidence (its roots of the "
+        "routing flips, divergent steps, prefill error and likelihoods). A run keeps the roots of the rule version it "
+        "ran under: one recorded under version 3 (the roots no earlier position explains) holds a subset of version "
+        "4's (each position's lowest flips), so re-decided here it can pass where version 4 would fail it:",
+        "",
+        "| routing_tie | benign FAIL | " + " | ".join(f"{f} caught" for f in MOE_FAULTS) + " |",
+        "|---:|---:|" + "---:|" * len(MOE_FAULTS),
+    ]
+    moe_runs = [r for r in done if r.arch in moe_archs and "roots" in r.extra]
+
+    def what_if_row(label: str, decided: Any) -> str:
+        cells = [str(sum(decided(r) == "FAIL" for r in moe_runs if r.kind == "benign"))]
+        for fault in MOE_FAULTS:
+            group = [r for r in moe_runs if r.kind == fault]
+            cells.append(f"{sum(decided(r) == 'FAIL' for r in group)} / {len(group)}")
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    for tie in sorted({*ROUTING_TIES, tol.routing_tie}):
+        mark = " (the code's)" if tie == tol.routing_tie else ""
+        lines.append(what_if_row(f"{tie:g}{mark}", lambda r, t=tie: moe_decide(r, t)))
+    lines.append(what_if_row("rule version 2 (the reference's margin alone, 0.05)", moe_decide_v2))
+    lines.append(what_if_row(f"rule version 4 (no counterfactual; {tol.routing_tie:g})",
+                             lambda r: moe_decide(r, tol.routing_tie, counterfactual=False)))  # fmt: skip
+    if false_fails:
+        lines += ["", "Benign runs that FAIL:", ""]
+        lines += [f"- {r.arch} seed {r.seed}, {r.cores} core(s): {r.reason[:240]}" for r in false_fails]
+    if errors or not_run:
+        lines += ["", f"Not decided: {len(errors)} run(s) ended in an error"
+                  + (f" ({'; '.join(sorted({r.reason[:80] for r in errors}))})" if errors else "")
+                  + f"; {len(not_run)} planned run(s) did not start within the budget"
+                  + (f" (first: {', '.join(not_run[:4])})" if not_run else "") + "."]  # fmt: skip
+    lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     from bench.report import write_section
 
@@ -786,6 +1128,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--from-json", type=Path, help="summarize the runs a --json left, without running any")
     parser.add_argument("--resume", action="store_true", help="take the runs the --json's journal holds")
     parser.add_argument("--tasks", action="store_true", help="the embedding and image verdicts instead (issue 21)")
+    parser.add_argument("--moe", action="store_true", help="the MoE routing rule at a real router shape (issue 30)")
+    parser.add_argument("--sharded", type=int, default=50, help="--moe: benign EP runs at least (default 50)")
+    parser.add_argument("--fault-seeds", type=int, default=4, help="--moe: seeds per fault and architecture")
+    parser.add_argument("--budget-min", type=float, default=25.0, help="--moe: no run starts after this")
     args = parser.parse_args(argv)
     started = time.monotonic()
     cache = _prepare_environment(args.work)
@@ -811,6 +1157,42 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             write_section(args.write, OUTPUTS_HEADING, text)
         if args.json:
             args.json.write_text("".join(json.dumps(asdict(r)) + "\n" for r in output_runs))
+        return []
+    if args.moe:
+        torch._dynamo.config.recompile_limit = 64
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        torch.set_num_threads(REFERENCE_THREADS)
+        plan = make_moe_plan(args.runs, args.sharded, args.fault_seeds, args.budget_min)
+        saved: dict[str, Any] = {}
+        if args.from_json:  # a run's --json re-summarized: what it ran, as it decided then
+            moe_runs = [Run(**json.loads(line)) for line in args.from_json.read_text().splitlines() if line.strip()]
+            meta_file = args.from_json.with_suffix(".meta.json")
+            saved = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+            not_run = saved.get("not_run", [])
+        else:
+            bench = _Bench(args.work, cache)
+            bench.reuse_references = True
+            if args.json:
+                bench.open_journal(args.json.with_suffix(".journal.jsonl"), args.resume)
+            moe_runs, not_run = execute_moe(plan, bench, sys.stdout)
+        meta = {
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or platform.system()})",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "command": saved.get("command", command),
+            "wall_min": saved.get("wall_min", (time.monotonic() - started) / 60),
+            "moe_archs": plan.moe_archs,
+        }
+        if args.json:
+            args.json.write_text("".join(json.dumps(asdict(r)) + "\n" for r in moe_runs))
+            saved = {"command": command, "wall_min": meta["wall_min"], "not_run": not_run}
+            args.json.with_suffix(".meta.json").write_text(json.dumps(saved))
+        text = moe_markdown(moe_runs, not_run, meta)
+        print()
+        print(text)
+        if args.write:
+            write_section(args.write, MOE_HEADING, text)
         return []
     if args.from_json:
         runs = [Run(**json.loads(line)) for line in args.from_json.read_text().splitlines() if line.strip()]

@@ -4,8 +4,8 @@ export after one job at 10 k and at 1 M rows, and the Hub commits of a window of
     .venv/bin/python -m bench --only export --no-write
 
 In scratch PostgreSQL schemas (dropped at the end) the rows come from ``testing.bulk_rows`` (server-side
-``INSERT … SELECT … generate_series``: 50,000 models each run once per round over 20 rounds of the compiler and
-library versions of their time): 11 files of 50,000 rows at 1 M. Then:
+``INSERT … SELECT … generate_series``: 50,000 models each run once per round over 20 rounds, a round on the stack of
+its time, its compiler, torch and library versions): 11 files of 50,000 rows at 1 M, one per stack. Then:
 
 - full export (``export_results``, what ``supportmatrix export`` runs) into an empty directory, against
   ``pyarrow.parquet.write_table`` of the very tables it wrote, already in memory; and, to show where the time
@@ -80,21 +80,23 @@ def timed(work: Callable[[], object]) -> float:
 
 
 def newest_key(history: History) -> ExportKey:
-    """The file of the round in progress: where a job finishing now lands."""
-    from shared.contracts.run import LIBRARY
+    """The file of the round in progress (its stack's): where a job finishing now lands."""
     from shared.results.export import ExportKey
 
-    return ExportKey(history.newest_compiler, LIBRARY, history.newest_library_version)
+    return ExportKey.of(history.newest_stack)
 
 
 def one_more_job(session: Session, model_id: str, key: ExportKey) -> int:
-    """A job of ``model_id`` (a new commit of it) finished under ``key``, written through the job rules as a worker
-    writes it; its id."""
+    """A job of ``model_id`` (a new commit of it) finished on ``key``'s stack, written through the job rules as a
+    worker writes it; its id."""
     from shared.contracts.enums import Verdict
+    from shared.contracts.run import RuntimeInfo
     from shared.db.models import Job
-    from tests.history import record, runtime
+    from testing.bulk_rows import BACKEND, COMPILER_NAME
+    from tests.history import record
 
-    record(session, model_id, runtime(key.compiler_version, key.library_version), Verdict.PASS)
+    runtime = RuntimeInfo(backend=BACKEND, compiler_name=COMPILER_NAME, library=key.library, **key.stack.model_dump())
+    record(session, model_id, runtime, Verdict.PASS)
     job_id = session.scalar(sa.select(sa.func.max(Job.id)).where(Job.model_id == model_id))
     assert job_id is not None
     return job_id
@@ -263,8 +265,8 @@ def window(engine: sa.Engine, history: History, work: Path) -> dict[str, dict[st
     try:
         for mode in ("window", "per-result"):
             before = len(hub.commits)
-            key = newest_key(history)
-            command = [sys.executable, "-m", "bench.export_scale", mode, key.compiler_version, key.library_version]
+            stack = newest_key(history).stack.model_dump_json()  # the whole stack: every version keys the file
+            command = [sys.executable, "-m", "bench.export_scale", mode, stack]
             done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"bench.export_scale {mode}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
@@ -385,10 +387,10 @@ def report(
                 note=f"export tasks sent: {ours['tasks']} (one export per result: {each['tasks']})"),
     ]  # fmt: skip
     details = f"""The results are a fleet's history generated server-side by `testing.bulk_rows` in scratch PostgreSQL
-schemas: {LARGE:,} finished jobs ({history.models:,} models, each run once per round over {history.rounds} rounds of
-the compiler and library versions of their time) and {SMALL:,}; the first took {generate_s:.0f} s. An index on jobs
-(compiler_version, library, library_version, id): {"present" if indexed else "absent"}. A file holds one row per
-(model, task): the newest of its runs.
+schemas: {LARGE:,} finished jobs ({history.models:,} models, each run once per round over {history.rounds} rounds, a
+round on the stack of its time: its compiler, torch and library versions) and {SMALL:,}; the first took
+{generate_s:.0f} s. An index on jobs (compiler_version, library, library_version, id):
+{"present" if indexed else "absent"}. A file holds one stack's runs, one row per (model, task): the newest of its runs.
 
 | full export, {LARGE:,} results | seconds |
 |---|---:|
@@ -428,15 +430,14 @@ export per result: {each["runs"]} runs, {each["commits"]} commits.
 
 
 def main() -> int:
-    from shared.contracts.run import LIBRARY
+    from shared.contracts.run import Stack
     from shared.results.export import ExportKey
 
     parser = argparse.ArgumentParser(description="(internal) the window part of bench/export_scale.py")
     parser.add_argument("mode", choices=["window", "per-result"])
-    parser.add_argument("compiler_version")
-    parser.add_argument("library_version")
+    parser.add_argument("stack", type=Stack.model_validate_json, help="the results' stack, as a Stack's JSON")
     args = parser.parse_args()
-    print(json.dumps(run_window(args.mode, ExportKey(args.compiler_version, LIBRARY, args.library_version))))
+    print(json.dumps(run_window(args.mode, ExportKey.of(args.stack))))
     return 0
 
 

@@ -3,8 +3,8 @@
 What it imports rather than re-implements: the host launcher's planning (``services.worker.planner.plan_host``
 on the ``HostState`` the launcher builds: its running jobs plus its share (``services.worker.host.share``) of
 the queued ones, the busy and draining workers, the expected seconds per size), and queue routing
-(``shared.jobs.queues.job_queue``: one FIFO queue per compiler version and group size, shared by every
-host's workers of that size, as Redis serves it). What it models: a worker takes the head of its queue
+(``shared.jobs.queues.job_queue``: one FIFO queue per software stack and group size, shared by every host's
+workers of that size, as Redis serves it). What it models: a worker takes the head of its queue
 when idle; a drained idle worker exits, a drained busy one finishes its job first; a started worker is ready
 after ``worker_start_s``; a host re-plans ``poll_s`` after anything changed (a job queued, started or
 finished, a worker started or exited); a job's verdict stage runs after its accelerator stage on one of the
@@ -14,10 +14,11 @@ Baselines on the same jobs: fixed layouts (workers started once, never re-planne
 group cannot run) and one model at a time per host (the public Space's script: load, compile, generate,
 compare, then the next model).
 
-A host serves one compiler version (its image's), and takes jobs from that version's queues only. The fleet is
-static (``FleetSimulation``: every host up from the start, hosts spread over the compiler versions in turn) or
-autoscaled (``AutoscaledFleet``: hosts started and stopped as the trn2-autoscaled overlay's KEDA ScaledObject
-asks, see ``Autoscaler``), and each is billed for its hosts' whole time up, all of a host's cores.
+A host serves one stack (its image's: a compiler version, with the one torch and transformers of ``stack``), and
+takes jobs from that stack's queues only. The fleet is static (``FleetSimulation``: every host up from the start,
+hosts spread over the compiler versions in turn) or autoscaled (``AutoscaledFleet``: hosts started and stopped as
+the trn2-autoscaled overlay's KEDA ScaledObject asks, see ``Autoscaler``), and each is billed for its hosts' whole
+time up, all of a host's cores.
 """
 
 from __future__ import annotations
@@ -33,12 +34,18 @@ from pathlib import Path
 
 from services.worker import planner
 from services.worker.host import STARTING_S, share
+from shared.contracts.run import CORE_SIZES, Stack
 from shared.cores import CoreGroup
-from shared.hub.sizing import CORE_SIZES
 from shared.jobs.queues import job_queue
 from shared.settings import Settings
 
 BACKEND, COMPILER = "neuron", "2.21.0"
+LIBRARY_VERSION = "5.24.0"  # the transformers of every simulated image
+
+
+def stack(compiler: str) -> Stack:
+    """The stack a simulated image of ``compiler`` runs: the versions its jobs' queues are named by."""
+    return Stack(compiler_version=compiler, library_version=LIBRARY_VERSION)
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class SimJob:
     submitted_s: float = 0.0
     parameters: int = 0
     timed_out: bool = False  # the duration model made it longer than the stage's limit
-    compiler: str = COMPILER  # the compiler version it is tested under: its queue, and the hosts that serve it
+    compiler: str = COMPILER  # the compiler version it is tested under (its ``stack``): its queue, and its hosts
 
 
 @dataclass(frozen=True)
@@ -238,11 +245,11 @@ class FleetSimulation:
     def submit(self, job: SimJob) -> None:
         # a fixed layout runs a job on its smallest group that is large enough: it is submitted at that size
         cores = min(s for s in self.layout if s >= job.cores) if self.layout else job.cores
-        self.queues.setdefault(job_queue(BACKEND, job.compiler, cores), deque()).append(job)
+        self.queues.setdefault(job_queue(BACKEND, stack(job.compiler), cores), deque()).append(job)
         self.changed()
 
     def queue(self, compiler: str, size: int) -> deque[SimJob] | None:
-        return self.queues.get(job_queue(BACKEND, compiler, size))
+        return self.queues.get(job_queue(BACKEND, stack(compiler), size))
 
     def changed(self) -> None:
         """Something a launcher watches changed: every host re-plans after its poll, and idle workers look."""
@@ -345,13 +352,14 @@ class Autoscaler:
     version's image (``from_scaled_object`` reads its settings), and the node each pod needs.
 
     Every ``polling_s`` each compiler version's fleet asks for the largest of: per job size, its queued jobs over a
-    host's worth of them (the redis triggers' ``listLength``, cores per host / size), and its busy hosts (the
-    postgresql trigger), at most ``max_hosts``. Up: at once (HPA's default scale-up). Down: to the largest wish of the
-    last ``stabilization_s``, one host per ``scale_down_every_s`` (the HPA behaviour), and to zero once every trigger
-    has been zero for ``cooldown_s`` (KEDA's cooldownPeriod). The host that goes is the newest (the ReplicaSet's
-    choice, not the idlest: one still starting goes at once; a busy one drains its jobs first). ``max_hosts`` is
-    also the node pool's limit over every compiler version's fleet: when the wishes exceed it, the versions take
-    hosts in turn."""
+    host's worth of them (the postgresql ``waiting-c<size>`` triggers, which count in SQL the queued jobs of the
+    queues of every stack on that compiler version, against ``targetQueryValue`` = cores per host / size), and its
+    busy hosts (the ``busy-hosts`` trigger), at most ``max_hosts``. Up: at once (HPA's default scale-up). Down: to
+    the largest wish of the last ``stabilization_s``, one host per ``scale_down_every_s`` (the HPA behaviour), and to
+    zero once every trigger has been zero for ``cooldown_s`` (KEDA's cooldownPeriod). The host that goes is the
+    newest (the ReplicaSet's choice, not the idlest: one still starting goes at once; a busy one drains its jobs
+    first). ``max_hosts`` is also the node pool's limit over every compiler version's fleet: when the wishes exceed
+    it, the versions take hosts in turn."""
 
     max_hosts: int = 4
     node_start_s: float = NODE_START_S

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The first thing to run on a new trn2 host: build the neuron image and run the runner in it on three small
+# The first thing to run on a new trn2 host: build the neuron image and run the runner in it on five small
 # real Hub models — one that fits one core, a dense model forced to TP over 2 cores, a MoE over 4 cores with
-# expert parallelism — then print the driver, runtime and compiler versions found and a table of verdict,
-# cores, wall, compile and peak memory. Exit status 0 only when all three PASS.
+# expert parallelism, an embedder, a text-to-image pipeline — then print the driver, runtime and compiler
+# versions found, the stack the host's workers will serve with its job queues, and a table of verdict, cores,
+# wall, compile and peak memory. Exit status 0 only when the stack is found and all five PASS.
 #
 #   scripts/trn2-check.sh                                   the neuron image, /dev/neuron*, Hub models
 #   scripts/trn2-check.sh --backend cpu --no-docker --models DIR
@@ -12,7 +13,7 @@
 #   --backend neuron|cpu   the runner's backend (default neuron)
 #   --no-docker            run scripts/trn2_check.py with this checkout's .venv (or $PYTHON) instead
 #   --models DIR           tiny checkpoints instead of the Hub models
-#   --parallel             run the three at once (they use disjoint cores: 0, 2-3, 4-7)
+#   --parallel             run the five at once (they use disjoint cores: 0, 2-3, 4-7, 8, 9)
 #   --image TAG            the image to build and run (default supportmatrix:neuron)
 #   --user USER            run the container as USER (e.g. 10001, the image's `app`): does Neuron work without root?
 #   --compile-backend B    the cpu backend's dynamo backend (SUPPORTMATRIX_CPU_COMPILE_BACKEND, e.g. aot_eager)

@@ -12,9 +12,11 @@ By default the five are small real Hub models (downloaded through huggingface_hu
 HF_HOME apply); with ``--models DIR`` they are the tiny checkpoints of ``python -m testing.tiny_models DIR`` and
 ``python -m testing.tiny_pipelines DIR``. Each run is ``python -m services.runner`` (the report is its last
 stdout line) on its own aligned core group (0, 2-3, 4-7, 8, 9: NEURON_RT_VISIBLE_CORES on neuron), so
-``--parallel`` can run them at once. Prints the driver,
-runtime and compiler versions found, then verdict, cores, parallelism, wall, compile and peak memory per
-model, and exits 0 only when every run PASSes. `scripts/trn2-check.sh` runs this in the neuron image.
+``--parallel`` can run them at once. Prints the driver, runtime and compiler versions found, the software stack
+this host's workers will serve and the job queues they will consume (named by that stack, as a worker names them at
+start: ``python -m services.runner.describe``), then verdict, cores, parallelism, wall, compile and peak memory per
+model, and exits 0 only when the stack was found and every run PASSes. `scripts/trn2-check.sh` runs this in the
+neuron image.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ sys.path.insert(0, str(ROOT))
 
 from shared.contracts.enums import ErrorClass, Verdict  # noqa: E402
 from shared.contracts.report import Failure, RunReport, Subject  # noqa: E402
+from shared.contracts.run import CORE_SIZES, RuntimeInfo  # noqa: E402
 from shared.cores import CoreGroup, pin_environment  # noqa: E402
 from shared.installed import NEURON_RUNTIME_PACKAGE, debian_package_version, installed_version  # noqa: E402
+from shared.jobs.queues import compiler_queues_like, job_queue  # noqa: E402
+
+DESCRIBE_TIMEOUT_S = 600.0  # the worker's own limit on the same question (services/worker/__main__.py)
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,33 @@ def versions(backend: str) -> dict[str, str | None]:
             "torch-neuronx": installed_version("torch-neuronx"),
         }
     return found
+
+
+def served(backend: str) -> RuntimeInfo | str:
+    """The runtime this host's workers will serve, asked as a worker asks it at start; or why it was not found."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "services.runner.describe", "--backend", backend],
+            cwd=ROOT, capture_output=True, text=True, timeout=DESCRIBE_TIMEOUT_S,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"no answer after {DESCRIBE_TIMEOUT_S:.0f} s"
+    if done.returncode != 0:
+        return f"exit {done.returncode}: {(done.stderr.strip().splitlines() or ['no output'])[-1][:300]}"
+    return RuntimeInfo.model_validate_json(done.stdout.strip().splitlines()[-1])
+
+
+def queues(runtime: RuntimeInfo) -> str:
+    """The stack a host of ``runtime`` serves and its job queues, one per core-group size; and, on neuron, what the
+    trn2-autoscaled overlay's KEDA triggers must count for them (they name the compiler version only)."""
+    stack = runtime.stack()
+    lines = [f"stack: {stack.label()} ({stack.name})", "job queues:"]
+    lines += [f"  {job_queue(runtime.backend, stack, size)}" for size in CORE_SIZES]
+    if runtime.backend == "neuron":
+        size = CORE_SIZES[0]
+        counted = compiler_queues_like(runtime.backend, stack.compiler_version, size)
+        lines.append(f"KEDA (trn2-autoscaled): waiting-c{size} must count queue LIKE '{counted}' (each size alike)")
+    return "\n".join(lines)
 
 
 def command(check: Check, backend: str, models: Path | None) -> list[str]:
@@ -222,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"backend: {args.backend}")
     for name, version in versions(args.backend).items():
         print(f"{name}: {version or 'not found'}")
+    runtime = served(args.backend)
+    print(queues(runtime) if isinstance(runtime, RuntimeInfo) else f"stack: not found ({runtime})")
     print()
     runs = run_all(args.backend, args.models, args.parallel, args.timeout_s)
     print(table(runs))
@@ -234,12 +269,14 @@ def main(argv: list[str] | None = None) -> int:
                     "report": run.report.model_dump(mode="json")} for run in runs]  # fmt: skip
         args.json.write_text(json.dumps(reports, indent=2))
     failed = [run for run in runs if run.report.verdict != Verdict.PASS]
+    if not isinstance(runtime, RuntimeInfo):
+        print(f"\nno stack: a worker here could not say what it serves ({runtime})")
     if failed:
         print(f"\nnot PASS: {', '.join(run.check.what for run in failed)}; each report's error and reproduce say more")
         for run in failed:
             if run.report.failure.error_message:
                 print(f"- {run.check.what}: {run.report.failure.error_message.strip().splitlines()[-1][:300]}")
-    return 1 if failed else 0
+    return 1 if failed or not isinstance(runtime, RuntimeInfo) else 0
 
 
 if __name__ == "__main__":

@@ -11,20 +11,35 @@ created by ``scripts/setup.sh`` and the images:
   home's) and the artifacts of its job.
 - ``SUPPORTMATRIX_SANDBOX_USER`` (``supportmatrix-sandbox``) runs a repo's own code. It owns nothing shared: its
   run's compile cache, Hub cache and home are directories of its job's artifacts (``Sandbox``), never pulled
-  into, never pushed from, read by no other run, and removed when the job's row is written.
+  into, never pushed from, read by no run of the runner user (another sandboxed job's run, the same user, could),
+  and removed when the job's row is written.
 
 Neither can read another user's ``/proc/<pid>/environ`` (the worker's, the API's, the zygote's), the
 database file (0600, the worker's), or the secrets file the worker hands a forked runner (read while the
-child is still root, before it takes its user). A worker that is not root cannot switch users: its runners
-run as it does, with its access (``isolation`` is None), and the worker says so when it starts.
+child is still root, before it takes its user). Each stage's runner has a work directory (``WorkDir``: its TMPDIR
+and TorchNeuron's debug directory), 0700 and its user's: private to its *user*, not to its run. The runner user's
+runs cannot read a sandbox run's, nor the sandbox user's runs the runner user's, nor any other user either; but
+two runs of the same user (two sandboxed jobs on two core groups of a host) share a uid and can read each other's
+work directory and sandbox, as they can signal each other's processes.
+
+A run of a repo's own code never holds the Hub token *when runners are isolated* (a root worker, runner users
+on): the worker downloads a gated repo's files for it, into a directory of its own that no runner user can reach
+(``DownloadStaging``), and hands them over when the download has ended. A worker that is not root cannot switch
+users: its runners run as it does, with its access (``isolation`` is None), and the worker says so when it
+starts; such code could read the worker's own environment, so a gated repo with code of its own is not run there
+(SKIPPED, services/worker/supervise.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,13 +89,22 @@ def isolation(settings: Settings) -> Isolation | None:
 
 
 def give(path: Path, user: RunAs) -> None:
-    """``path`` (a directory, created when missing) and all under it owned by ``user``: only entries owned by
-    someone else are changed, so a second call walks without writing."""
+    """``path`` (a directory, created when missing) and all under it owned by ``user``, without following a
+    symbolic link anywhere (``os.fwalk`` walks by file descriptors: an entry swapped for a link while it walks is
+    not followed; a link itself gets the owner). Only entries owned by someone else are changed, so a second call
+    walks without writing."""
     path.mkdir(parents=True, exist_ok=True)
-    for entry in (path, *path.rglob("*")):
-        stat = entry.lstat()
-        if (stat.st_uid, stat.st_gid) != (user.uid, user.gid):
-            os.lchown(entry, user.uid, user.gid)
+    for _, dirs, files, fd in os.fwalk(path, follow_symlinks=False):
+        if not _owned_by(os.fstat(fd), user):
+            os.fchown(fd, user.uid, user.gid)
+        for name in (*dirs, *files):
+            with contextlib.suppress(FileNotFoundError):  # gone since it was listed
+                if not _owned_by(os.stat(name, dir_fd=fd, follow_symlinks=False), user):
+                    os.chown(name, user.uid, user.gid, dir_fd=fd, follow_symlinks=False)
+
+
+def _owned_by(entry: os.stat_result, user: RunAs) -> bool:
+    return (entry.st_uid, entry.st_gid) == (user.uid, user.gid)
 
 
 def prepare(settings: Settings) -> str:
@@ -89,12 +113,15 @@ def prepare(settings: Settings) -> str:
     users = isolation(settings)
     if users is None:
         why = "the worker is not root" if os.geteuid() != 0 else "SUPPORTMATRIX_RUNNER_USER is empty"
-        return f"runners run as this worker's user, with its access ({why}): repo code is not isolated"
+        return (
+            f"runners run as this worker's user, with its access ({why}): repo code is not isolated, and a gated "
+            "repo with code of its own is not run (SKIPPED: its code could read this worker's Hub token)"
+        )
     shared = [settings.cache_path, settings.runner_home]
     if settings.runner_hub_home is not None:  # the runners' Hub cache, where the operator placed HF_HOME
         shared.append(settings.runner_hub_home)
     for path in shared:
-        give(path, users.runner)
+        give(path.resolve(), users.runner)  # the operator's paths: a link placed there (a bigger disk) is meant
     artifacts = settings.data_dir / "artifacts"
     artifacts.mkdir(parents=True, exist_ok=True)
     for user in (users.runner, users.sandbox):
@@ -135,6 +162,10 @@ class Sandbox:
 
     root: Path
 
+    @classmethod
+    def of_job(cls, artifacts: Path) -> Sandbox:
+        return cls(artifacts / "sandbox")
+
     @property
     def cache(self) -> Path:
         return self.root / "cache"
@@ -162,3 +193,157 @@ class Sandbox:
             "HF_HOME": str(self.hub_home),
             "HOME": str(self.home),
         }
+
+
+@dataclass(frozen=True)
+class WorkDir:
+    """The work directory of one stage's runner, under its job's artifacts: its ``TMPDIR`` (Python's tempfile and
+    the tools that honour TMPDIR put their scratch files there) and TorchNeuron's debug directory
+    (``TORCH_NEURONX_DEBUG_DIR``: the FX graphs, StableHLO and NEFFs of what it compiles). TorchNeuron's default,
+    ``/tmp/neuron_backend``, is one directory for every user of the host: the first run to create it owns it, and
+    any later run of any user reads the graphs left there. This one is 0700 and its run's user's: private to that
+    user (the runner user, or the sandbox user) against every other user, not against another run of the same
+    user. The worker keeps it with a FAIL's (or an ERROR's) artifacts, else removes it when the stage ends."""
+
+    path: Path
+
+    @classmethod
+    def of_stage(cls, artifacts: Path, stage: str) -> WorkDir:
+        return cls(artifacts / f"work-{stage}")
+
+    @property
+    def neuron_debug(self) -> Path:
+        return self.path / "neuron_backend"
+
+    def create(self, user: RunAs | None) -> None:
+        """A fresh, empty directory, 0700, owned by ``user`` (None: this process's own user, a worker that runs its
+        runners as itself). Whatever is at its path first — a lost attempt's directory, or a file or symbolic link
+        a process of the job's user planted there — is removed, never followed; the mode and owner are set through
+        the new directory's own descriptor (O_NOFOLLOW), so a swap after the mkdir changes nothing outside it.
+        Raises OSError (a full disk, an entry that cannot be removed)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            planted = self.path.lstat()
+        except FileNotFoundError:
+            planted = None
+        if planted is not None and stat.S_ISDIR(planted.st_mode):
+            shutil.rmtree(self.path)  # refuses a symbolic link; a directory's own links are removed, not followed
+        elif planted is not None:
+            self.path.unlink()
+        self.path.mkdir(mode=0o700)
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, 0o700)  # mkdir's mode is masked by the umask; this is not
+            if user is not None:
+                os.fchown(fd, user.uid, user.gid)
+        finally:
+            os.close(fd)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def environment(self) -> dict[str, str]:
+        """What the stage's runner and its children are given (both are per-child variables: a runner forked from
+        the zygote may have them)."""
+        return {"TMPDIR": str(self.path), "TORCH_NEURONX_DEBUG_DIR": str(self.neuron_debug)}
+
+
+class UnsafeStagingParent(OSError):
+    """The directory meant to hold downloads' staging is not this process's user's alone."""
+
+
+@dataclass(frozen=True)
+class DownloadStaging:
+    """Where the worker (root) downloads a gated repo for a run of its code: a fresh directory, 0700 and this
+    process's, in a parent that is too (``<artifacts>/.downloads``, beside the job directories that are given to
+    the runner users, on their filesystem), so that no runner user's process can reach it while the download runs:
+    none can plant a symbolic link for the download to write through. When the download has ended (its process
+    group gone), ``hand_over`` gives the files to the run's user and moves them into the job's directory, through
+    directory descriptors opened without following links."""
+
+    root: Path
+
+    @classmethod
+    def create(cls, artifacts_dir: Path, prefix: str) -> DownloadStaging:
+        """A fresh staging in ``artifacts_dir/.downloads``; raises UnsafeStagingParent when that is a link or
+        another user's (OSError otherwise: a full disk)."""
+        parent = artifacts_dir / ".downloads"
+        parent.mkdir(mode=0o700, exist_ok=True)
+        held = parent.lstat()
+        if not stat.S_ISDIR(held.st_mode) or held.st_uid != os.geteuid():
+            raise UnsafeStagingParent(f"{parent} is not a directory of uid {os.geteuid()}")
+        if held.st_mode & 0o077:
+            os.chmod(parent, 0o700)  # a directory of ours (lstat: no link), in the artifacts directory (ours)
+        return cls(Path(tempfile.mkdtemp(prefix=f"{prefix}-", dir=parent)))  # 0700, this process's
+
+    @property
+    def hub_home(self) -> Path:
+        return self.root / "hf-home"
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    @property
+    def cache(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "download.log"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "download-report.json"
+
+    def environment(self) -> dict[str, str]:
+        """The download's own directories, all in the staging: nothing of a runner user's is read or written by it
+        (its HOME is not the sandbox's: Python would import the user site-packages found there)."""
+        for path in (self.hub_home, self.home, self.cache):
+            path.mkdir(exist_ok=True)
+        return {"HF_HOME": str(self.hub_home), "HOME": str(self.home), "SUPPORTMATRIX_CACHE_DIR": str(self.cache)}
+
+    def hand_over(self, job_dir: Path, sandbox: Sandbox, user: RunAs) -> None:
+        """The downloaded Hub cache becomes ``sandbox``'s (``job_dir/sandbox/hf-home``), and the download's log and
+        report (if any) ``job_dir``'s, all owned by ``user``. ``job_dir``'s parent is trusted (this process's); the
+        job's directory and its sandbox are opened with O_NOFOLLOW and every move is relative to their descriptors,
+        so a link planted in their place, or the job's user renaming them meanwhile, sends nothing elsewhere; an
+        entry already at a destination (the empty Hub cache ``Sandbox.create`` made) is removed without following
+        it. Raises OSError."""
+        if sandbox.root.parent != job_dir or sandbox.hub_home.parent != sandbox.root:
+            raise ValueError(f"{sandbox.root} is not {job_dir}'s sandbox")
+        give(self.root, user)
+        directory = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+        parent_fd = os.open(job_dir.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            job_fd = os.open(job_dir.name, directory, dir_fd=parent_fd)
+            try:
+                sandbox_fd = os.open(sandbox.root.name, directory, dir_fd=job_fd)
+                try:
+                    _replace(self.hub_home, sandbox_fd, sandbox.hub_home.name)
+                finally:
+                    os.close(sandbox_fd)
+                for kept in (self.log, self.report):
+                    if kept.exists():
+                        _replace(kept, job_fd, kept.name)
+            finally:
+                os.close(job_fd)
+        finally:
+            os.close(parent_fd)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _replace(source: Path, dir_fd: int, name: str) -> None:
+    """Move ``source`` to ``name`` in the directory open at ``dir_fd``, removing what is there first (a directory
+    by descriptors, never following a link in it; anything else unlinked, a link itself not followed)."""
+    try:
+        there = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        there = None
+    if there is not None and stat.S_ISDIR(there.st_mode) and source.is_dir():
+        shutil.rmtree(name, dir_fd=dir_fd)
+    elif there is not None and not stat.S_ISDIR(there.st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+    os.rename(source, name, dst_dir_fd=dir_fd)

@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -245,7 +245,7 @@ def start_python(
             why: str | None = f" ({exc})"
     else:
         why = None
-    user = {"user": run_as.uid, "group": run_as.gid, "extra_groups": []} if run_as is not None else {}
+    user: dict[str, Any] = {"user": run_as.uid, "group": run_as.gid, "extra_groups": []} if run_as is not None else {}
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],

@@ -2,11 +2,12 @@
 generate_series``): 1 M rows in about a minute. For the benchmarks, and for the tests that need a table big
 enough for the planner to choose as it would in production.
 
-The history is a series of sweeps (rounds): every round tests each of ``models`` models once, under the compiler
-and library versions of its time, so a model has one job per round, its runs spread over the table, and each
-(compiler, library, library version) holds a slice of it. Every tenth model is a feature-extraction model, the
-others text-generation. Each round's sweep lists, per task, the trending and most-downloaded models (a different
-ranking every round) and a pinned selection, with the job each got. On top of the finished rows: ``active`` jobs
+The history is a series of sweeps (rounds): every round tests each of ``models`` models once, on the software
+stack of its time (``History.stack``: compiler, torch and library versions; a torch with each library version),
+so a model has one job per round, its runs spread over the table, each stack holds a slice of it, and a job is
+queued on its stack's queue. Every tenth model is a feature-extraction model, the others text-generation. Each
+round's sweep lists, per task, the trending and most-downloaded models (a different ranking every round) and a
+pinned selection, with the job each got. On top of the finished rows: ``active`` jobs
 of a round in progress (queued, running, judging) listed by a running sweep, and 256 live workers on 4 hosts that
 serve the newest versions. Result rows carry what a real one does (token ids, texts, the reproduce command, the
 judge's fields), so that reading one costs what it costs in production.
@@ -15,6 +16,7 @@ judge's fields), so that reading one costs what it costs in production.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.contracts.enums import Task
-from shared.jobs.queues import JOB_QUEUE_PREFIX, VERDICT_QUEUE_PREFIX
+from shared.contracts.run import RuntimeInfo, Stack
+from shared.jobs.queues import VERDICT_QUEUE_PREFIX, job_queue
 from shared.testconfig import config_hash
 
 # Oldest first; a round runs under the versions of its time.
@@ -43,6 +46,9 @@ TORCH_VERSIONS = ("2.6.0", "2.7.0", "2.8.0", "2.9.0")  # the torch each library 
 LIBRARY_LEAD = 1
 HOSTS = 4
 CORES_PER_HOST = 64
+BACKEND = "neuron"
+COMPILER_NAME = "neuronx-cc"
+CORE_SIZES = (1, 2, 4, 8)  # the core-group sizes jobs ask for (model m asks for (1, 1, 1, 1, 2, 2, 4, 8)[m % 8])
 # Per task and view: how many models a sweep lists (the sweep's limit), and the pinned selection's size.
 LISTED = {Task.text_generation.value: 200, Task.feature_extraction.value: 100}
 SELECTED = 20
@@ -120,6 +126,21 @@ class History:
     def library_version(self, round_: int) -> str:
         return LIBRARY_VERSIONS[in_round(len(LIBRARY_VERSIONS), round_, self.rounds, LIBRARY_LEAD)]
 
+    def torch_version(self, round_: int) -> str:
+        return TORCH_VERSIONS[in_round(len(TORCH_VERSIONS), round_, self.rounds, LIBRARY_LEAD)]
+
+    def stack(self, round_: int) -> Stack:
+        """The software stack round ``round_`` ran on (no TorchNeuron or Neuron runtime version: the rows keep "")."""
+        return Stack(
+            compiler_version=self.compiler(round_),
+            torch_version=self.torch_version(round_),
+            library_version=self.library_version(round_),
+        )
+
+    def queue(self, round_: int, cores: int) -> str:
+        """The job queue of round ``round_``'s jobs on ``cores`` cores."""
+        return job_queue(BACKEND, self.stack(round_), cores)
+
     @property
     def newest_compiler(self) -> str:
         return self.compiler(self.rounds - 1)
@@ -127,6 +148,11 @@ class History:
     @property
     def newest_library_version(self) -> str:
         return self.library_version(self.rounds - 1)
+
+    @property
+    def newest_stack(self) -> Stack:
+        """The stack of the round in progress, which the live workers serve."""
+        return self.stack(self.rounds - 1)
 
 
 def in_round(versions: int, round_: int, rounds: int, lead: int) -> int:
@@ -143,17 +169,20 @@ def _in_round_sql(versions: str, lead: int) -> str:
 
 # The SQL spelling of History's model ids, compiler and library versions: keep them equal.
 _MODEL_ID = "'org-' || lpad((m %% 500)::text, 3, '0') || '/model-' || lpad(m::text, 6, '0')"
+# A job's queue, of round k and c.cores cores, from ``round_queues`` (History.queue of each round and core size).
+_QUEUE = "(%(round_queues)s::text[])[1 + k * %(sizes)s + array_position(%(core_sizes)s::int[], c.cores) - 1]"
 
 JOBS = f"""
 INSERT INTO jobs (id, model_id, revision, sha, task, config_hash, gated, trust_remote_code, cores, queue, state,
                   attempts, verdict_attempts, verdict_queue, attempt_log, lease_owner, heartbeat_at, created_at,
                   started_at, judging_at, finished_at, error_class, error_message,
-                  library, library_version, torch_version, backend, compiler_name, compiler_version)
+                  library, library_version, torch_version, backend, compiler_name, compiler_version,
+                  stack_digest)
 SELECT g, {_MODEL_ID}, NULL, md5(m || '@' || k / 5) || substr(md5(m::text), 1, 8),
        CASE WHEN m %% 10 = 0 THEN %(fe)s ELSE %(tg)s END,
        CASE WHEN m %% 10 = 0 THEN %(fe_hash)s ELSE %(tg_hash)s END,
        m %% 97 = 0, m %% 89 = 0, c.cores,
-       %(job_queue)s || '.neuron.' || v.compiler || '.c' || c.cores, s.state,
+       {_QUEUE}, s.state,
        CASE WHEN s.state = 'queued' THEN 0 WHEN h %% 50 = 0 THEN 2 ELSE 1 END,
        CASE WHEN s.state IN ('done', 'failed') AND h %% 10 <> 0 THEN 1 ELSE 0 END,
        %(verdict_queue)s || '.host-' || g %% %(hosts)s, '[]',
@@ -168,7 +197,8 @@ SELECT g, {_MODEL_ID}, NULL, md5(m || '@' || k / 5) || substr(md5(m::text), 1, 8
             THEN t.created + make_interval(secs => 40 + 60 * c.cores + h %% 2100) END,
        CASE WHEN s.state = 'failed' THEN (ARRAY['compile', 'runtime', 'oom', 'timeout', 'load'])[1 + h %% 5] END,
        CASE WHEN s.state = 'failed' THEN 'the accelerator run failed (see the result)' END,
-       'transformers', v.library_version, v.torch_version, 'neuron', 'neuronx-cc', v.compiler
+       'transformers', v.library_version, v.torch_version, %(backend)s, %(compiler_name)s, v.compiler,
+       (%(round_digests)s::text[])[1 + k]
 FROM generate_series(1::bigint, %(total)s) AS g,
      LATERAL (SELECT 1 + (g - 1) %% %(models)s AS m, least((g - 1) / %(models)s, %(rounds)s - 1) AS k,
                      (g * 2654435761) %% 1000003 AS h) AS i,
@@ -225,16 +255,15 @@ WHERE j.state IN ('done', 'failed')
 WORKERS = """
 INSERT INTO workers (name, host, pid, cores, core_count, queue, started_at, heartbeat_at,
                      library, library_version, torch_version, backend, compiler_name, compiler_version)
-SELECT 'cores-' || c || '@host-' || h, 'host-' || h, 1000 + c, c::text, 1,
-       %(job_queue)s || '.neuron.' || %(compiler)s || '.c1', now(), now(),
-       'transformers', %(library_version)s, %(torch_version)s, 'neuron', 'neuronx-cc', %(compiler)s
+SELECT 'cores-' || c || '@host-' || h, 'host-' || h, 1000 + c, c::text, 1, %(worker_queue)s, now(), now(),
+       'transformers', %(library_version)s, %(torch_version)s, %(backend)s, %(compiler_name)s, %(compiler)s
 FROM generate_series(0, %(hosts)s - 1) AS h, generate_series(0, %(cores)s - 1) AS c
 """
 
 QUEUES_SEEN = """
-INSERT INTO queues_seen (queue, last_live_at)
-SELECT %(job_queue)s || '.neuron.' || %(compiler)s || '.c' || n, now() FROM unnest(ARRAY[1, 2, 4, 8]) AS n
-UNION ALL SELECT %(verdict_queue)s || '.host-' || h, now() FROM generate_series(0, %(hosts)s - 1) AS h
+INSERT INTO queues_seen (queue, last_live_at, runtime)
+SELECT q, now(), %(runtime)s::json FROM unnest(%(newest_queues)s::text[]) AS q
+UNION ALL SELECT %(verdict_queue)s || '.host-' || h, now(), NULL FROM generate_series(0, %(hosts)s - 1) AS h
 """
 
 # One finished sweep per round (its id is the round + 1), and a running one for the round in progress.
@@ -281,6 +310,8 @@ def populate(conn: Any, rows: int, *, models: int | None = None, active: int = 3
     if models % 10 or models / 10 <= max(LISTED.values()) or active > models:
         raise ValueError(f"{models} models cannot hold the views' ranks and {active} active jobs")
     history = History(rows=rows, models=models, rounds=-(-rows // models), active=active)
+    newest = history.newest_stack
+    runtime = RuntimeInfo(backend=BACKEND, compiler_name=COMPILER_NAME, **newest.model_dump())
     params = {
         "rows": rows,
         "total": rows + active,
@@ -296,13 +327,21 @@ def populate(conn: Any, rows: int, *, models: int | None = None, active: int = 3
         "tg_listed": LISTED[Task.text_generation.value],
         "fe_listed": LISTED[Task.feature_extraction.value],
         "selected": SELECTED,
-        "job_queue": JOB_QUEUE_PREFIX,
+        "round_queues": [history.queue(k, n) for k in range(history.rounds) for n in CORE_SIZES],
+        "round_digests": [history.stack(k).digest for k in range(history.rounds)],  # Job.stack_digest of each round
+        "core_sizes": list(CORE_SIZES),
+        "sizes": len(CORE_SIZES),
+        "newest_queues": [history.queue(history.rounds - 1, n) for n in CORE_SIZES],
+        "worker_queue": history.queue(history.rounds - 1, 1),
+        "runtime": json.dumps(runtime.model_dump(mode="json")),
+        "backend": BACKEND,
+        "compiler_name": COMPILER_NAME,
         "verdict_queue": VERDICT_QUEUE_PREFIX,
         "hosts": HOSTS,
         "cores": CORES_PER_HOST,
-        "compiler": history.newest_compiler,
-        "library_version": history.newest_library_version,
-        "torch_version": TORCH_VERSIONS[LIBRARY_VERSIONS.index(history.newest_library_version)],
+        "compiler": newest.compiler_version,
+        "library_version": newest.library_version,
+        "torch_version": newest.torch_version,
     }
     conn.execute(JOBS, params)
     # Each result's foreign-key check is planned from the jobs table's statistics. A table that looks empty

@@ -297,10 +297,16 @@ def build_kind_repos(out_dir: Path) -> list[Path]:
 
 
 def save_random_checkpoint(
-    target: Path, config_factory: Callable[[], Any], class_name: str, tokenizer: Any, seed: int = 0
+    target: Path,
+    config_factory: Callable[[], Any],
+    class_name: str,
+    tokenizer: Any,
+    seed: int = 0,
+    adjust: Callable[[Any], None] | None = None,
 ) -> Path:
-    """``class_name`` of ``config_factory()`` with weights drawn from ``seed`` and widened, saved with ``tokenizer``
-    and a generation config that never stops early (kept when it is already there)."""
+    """``class_name`` of ``config_factory()`` with weights drawn from ``seed`` and widened, then ``adjust``-ed (a
+    fixture's own shaping of the drawn weights), saved with ``tokenizer`` and a generation config that never stops
+    early (kept when it is already there)."""
     import torch
     import transformers
     from transformers import GenerationConfig
@@ -314,6 +320,8 @@ def save_random_checkpoint(
             if param.dim() >= 2:
                 std = 0.2 if ("embed" in param_name or "wte" in param_name or "lm_head" in param_name) else 0.1
                 param.normal_(0.0, std)
+        if adjust is not None:
+            adjust(model)
     model.generation_config = GenerationConfig(
         do_sample=False, eos_token_id=None, bos_token_id=None, pad_token_id=tokenizer.pad_token_id
     )

@@ -94,15 +94,30 @@ def pytest_configure(config: pytest.Config) -> None:
     upgrade()
 
 
+# What makes a test slow here: a fixture that builds checkpoints, serves the Hub, starts the API, workers, a stack,
+# pods, a browser or a big database. A test that asks for none of them and is not marked ``slow`` (a test that runs a
+# model of its own) is ``quick``: ``pytest -m quick`` is the inner loop (docs/tests.md).
+HEAVY_FIXTURES = frozenset({
+    "tiny_models", "pipelines", "hub", "api", "verdict_worker", "worker", "start_worker", "stack", "workers",
+    "two_hosts", "pods", "server", "browser", "page", "big", "big_schema", "client", "api_url", "seeded", "llama",
+    "isolated", "isolated_backends", "fresh_api", "trusting_api", "kind_repos", "odd_repos", "sweep_repos",
+    "pipeline_repos", "control_worker", "zygote", "cli_org", "passing_submission", "api_on_proxy", "silent_hub",
+})  # fmt: skip
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each test schemathesis generates (tests/test_fuzz.py: one per API operation) gets a node id of its own. The
-    plugin names them by operation (``test[GET /jobs]``), but pytest 9 builds an item's id from its callspec, which
-    they have none of, so all of them got their function's id; pytest-xdist's ``--dist loadfile``
-    (scripts/test.sh) keys its schedule by node id and so ran one of them: the other operations went unfuzzed,
-    unreported. Under pytest 8 their ids already carry the bracket and nothing is changed."""
+    """Marks the ``quick`` tests (``HEAVY_FIXTURES``). Each test schemathesis generates (tests/test_fuzz.py: one per
+    API operation) gets a node id of its own. The plugin names them by operation (``test[GET /jobs]``), but pytest 9
+    builds an item's id from its callspec, which they have none of, so all of them got their function's id;
+    pytest-xdist's ``--dist loadfile`` (scripts/test.sh) keys its schedule by node id and so ran one of them: the
+    other operations went unfuzzed, unreported. Under pytest 8 their ids already carry the bracket and nothing is
+    changed."""
     from schemathesis.pytest.plugin import SchemathesisFunction
 
     for item in items:
+        heavy = HEAVY_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if not heavy and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.quick)
         if isinstance(item, SchemathesisFunction) and item.name.endswith("]") and "[" not in item.nodeid:
             params = item.name[item.name.index("[") + 1 : -1]
             item._id = item._id.with_params(params)

@@ -108,6 +108,21 @@ def test_a_view_pages_in_its_rank_order(api: Any, org: str) -> None:
             session.add(SweepEntry(sweep_id=newer.id, model_id=model_id, task="text-generation", view="trending",
                                    rank=rank, job_id=ids[model_id]))  # fmt: skip
     assert [r["model_id"] for r in api.get("/results", params=first_page).json()["items"]] == ranked[::-1][:2]
+    with session_scope() as session:  # the newest sweep swept another task only: this task's view stays the newer one
+        other = Sweep(trigger="api", state=SweepState.done, config={})
+        session.add(other)
+        session.flush()
+        session.add(SweepEntry(sweep_id=other.id, model_id=ranked[0], task="feature-extraction", view="trending",
+                               rank=1, job_id=None, note="not swept"))  # fmt: skip
+    assert [r["model_id"] for r in api.get("/results", params=first_page).json()["items"]] == ranked[::-1][:2]
+    # the page reads the same view (one query's meaning): its rows in the same rank order, from the same sweep
+    from shared.results.views import table_page
+
+    with session_scope() as session:
+        table = table_page(session, task="text-generation", compiler="reads-1.0", library_version="5.0",
+                           price_per_core_hour=1.0, view="trending", limit=100)  # fmt: skip
+    assert table.sweep_id == newer.id
+    assert [row.model_id for row in table.rows if row.job_id is not None] == ranked[::-1]
 
 
 def test_a_results_answer_is_kept_until_results_change_and_never_served_older(api: Any, org: str) -> None:
@@ -305,7 +320,9 @@ def test_openapi_types_every_response_body(api: Any) -> None:
     assert "SweepOut" in body("/sweeps", "post", "202") and "SweepOut" in body("/sweeps/{sweep_id}", "get", "200")
     assert "SweepEntryOut" in str(models["SweepOut"])
     assert "CellDiff" in body("/results/diff", "get", "200")
-    assert set(models["CellChange"]["properties"]) == {"model_id", "task", "from", "to", "from_sha", "to_sha"}
+    assert set(models["CellChange"]["properties"]) == {
+        "model_id", "task", "from", "to", "from_sha", "to_sha", "from_stack", "to_stack"
+    }  # fmt: skip
     assert {"axis", "from", "to"} <= set(models["CellDiff"]["properties"])
 
 

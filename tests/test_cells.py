@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import Verdict
 from shared.contracts.run import RuntimeInfo
 from shared.db.engine import new_session
 from shared.results.cells import CellStatus, cell_status, cells, diff, flips
+from tests.conftest import fresh_database
 from tests.history import record, runtime
 
 OLD, NEW = "2.21.0+old", "2.22.0+new"
@@ -128,3 +131,82 @@ def test_reads_that_scan_are_rate_limited_per_client(api: Any) -> None:
         assert api.get("/results", params={"limit": 1}).status_code == 200  # a page of rows is not a scan
     finally:
         api.app.dependency_overrides.pop(get_scan_limiter, None)
+
+
+def test_a_compiler_diff_lets_the_neuron_sdk_change_together_and_matches_cells_on_torch(session: Session) -> None:
+    """neuronx-cc, TorchNeuron, the runtime and torch are released together: a compiler diff matches a cell across all
+    of them changing (another torch on the new compiler is a cell of its own, compared on its own); a library diff
+    matches cells whose every other version is the same."""
+    old = runtime(OLD, "5.24.0").model_copy(
+        update={"torch_neuronx_version": "2.13.1", "neuron_runtime_version": "2.29"}
+    )
+    new = runtime(NEW, "5.24.0").model_copy(
+        update={"torch_neuronx_version": "2.13.2", "neuron_runtime_version": "2.30"}
+    )
+    other_torch = new.model_copy(update={"torch_version": "2.14.0"})
+    newer_library = new.model_copy(update={"library_version": "5.25.0"})
+    record(session, "sdk/m", old, Verdict.PASS)
+    record(session, "sdk/m", new, Verdict.FAIL)
+    record(session, "sdk/m", other_torch, Verdict.PASS)  # same compiler, another torch: another cell, PASS as before
+    record(session, "sdk/m", newer_library, Verdict.PASS)
+    assert sorted(c.status for c in cells(session, compiler=NEW)) == [CellStatus.FAIL, CellStatus.PASS, CellStatus.PASS]
+    compiler = diff(session, "compiler", OLD, NEW)
+    assert [(c.model_id, c.from_status, c.to_status) for c in compiler.regressed] == [
+        ("sdk/m", CellStatus.PASS, CellStatus.FAIL)
+    ]
+    assert compiler.flaky == compiler.fixed == compiler.changed == []  # the other torch's PASS: PASS before too
+    library = diff(session, "library", "5.24.0", "5.25.0")
+    # 5.24.0's cells: old's, new's and other_torch's; only new's has every other version of newer_library's
+    assert [(c.from_status, c.to_status) for c in library.fixed] == [(CellStatus.FAIL, CellStatus.PASS)]
+    assert library.regressed == library.flaky == library.changed == []
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_cpu_compiler_diff_is_a_torch_release(kind: str, tmp_path: Path) -> None:
+    """On cpu the compiler is inductor-<torch>: a compiler diff lets torch change with it, so a PASS on
+    inductor-2.13.0+cpu then a FAIL on inductor-2.14.0+cpu is a regression (before, no cell matched: nothing)."""
+    cpu = RuntimeInfo(backend="cpu", compiler_name="inductor", compiler_version="inductor-2.13.0+cpu",
+                      library_version="5.24.0", torch_version="2.13.0+cpu")  # fmt: skip
+    newer = cpu.model_copy(update={"compiler_version": "inductor-2.14.0+cpu", "torch_version": "2.14.0+cpu"})
+    with fresh_database(kind, tmp_path) as engine, Session(engine, expire_on_commit=False) as session:
+        record(session, "cpu/m", cpu, Verdict.PASS)
+        record(session, "cpu/m", newer, Verdict.FAIL)
+        changes = diff(session, "compiler", cpu.compiler_version, newer.compiler_version)
+    assert [(c.model_id, c.from_status, c.to_status) for c in changes.regressed] == [
+        ("cpu/m", CellStatus.PASS, CellStatus.FAIL)
+    ]
+    [regressed] = changes.regressed
+    assert (regressed.from_stack.digest, regressed.to_stack.digest) == (cpu.stack().digest, newer.stack().digest)
+    assert changes.cells_compared == 1 and changes.fixed == changes.flaky == changes.changed == []
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_side_with_several_stacks_of_one_version_is_compared_stack_by_stack(kind: str, tmp_path: Path) -> None:
+    """The older compiler ran under two TorchNeuron builds, PASS on one and FAIL on the other; the newer compiler
+    under one, PASS. Each older stack is compared with the newer one and named in the change: one fix (from the build
+    that failed), and nothing else — never one of the two picked by sort order, hiding the other. Two newer stacks
+    over one older one are reported each."""
+    old = runtime(OLD, "5.24.0")
+    builds = [old.model_copy(update={"torch_neuronx_version": v}) for v in ("2.13.1", "2.13.9")]
+    new = runtime(NEW, "5.24.0").model_copy(update={"torch_neuronx_version": "2.14.0"})
+    new_other = new.model_copy(update={"torch_neuronx_version": "2.14.1"})
+    with fresh_database(kind, tmp_path) as engine, Session(engine, expire_on_commit=False) as session:
+        for build, verdict in zip(builds, (Verdict.FAIL, Verdict.PASS), strict=True):
+            record(session, "stacks/m", build, verdict)
+        record(session, "stacks/m", new, Verdict.PASS)
+        changes = diff(session, "compiler", OLD, NEW)
+        assert [(c.from_stack.digest, c.to_stack.digest, c.from_status, c.to_status) for c in changes.fixed] == [
+            (builds[0].stack().digest, new.stack().digest, CellStatus.FAIL, CellStatus.PASS)
+        ]
+        assert changes.fixed[0].from_stack.label == builds[0].stack().label()
+        assert changes.regressed == changes.flaky == changes.changed == []
+        # the other way round: two newer stacks, each compared with the one older stack that failed
+        record(session, "stacks/two", builds[0], Verdict.FAIL)
+        record(session, "stacks/two", new, Verdict.PASS)
+        record(session, "stacks/two", new_other, Verdict.ERROR)
+        both = diff(session, "compiler", OLD, NEW)
+    two = [c for c in both.fixed + both.changed if c.model_id == "stacks/two"]
+    assert sorted((c.to_stack.digest, c.to_status) for c in two) == sorted(
+        [(new.stack().digest, CellStatus.PASS), (new_other.stack().digest, CellStatus.ERROR)]
+    )
+    assert {c.from_stack.digest for c in two} == {builds[0].stack().digest}

@@ -85,6 +85,7 @@ def compile_two_ranks(env: dict[str, str]) -> list[dict[str, Any]]:
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
 
 
+@pytest.mark.slow
 def test_a_warm_two_rank_compile_hits_inductors_cache_in_every_rank(tmp_path: Path) -> None:
     """A tensor-parallel graph takes its DeviceMesh as an input; before the runner keyed meshes by value,
     every fresh process missed inductor's FX-graph cache, as the mesh's pickled hash differs per process."""

@@ -336,6 +336,8 @@ def test_the_trn2_check_passes_on_the_tiny_checkpoints_with_the_cpu_backend(
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "torch: 2.13.0" in done.stdout
+    # the stack it serves, as a worker describes it at start, and the job queues of that stack
+    assert "stack: compiler aot_eager-2.13.0+cpu" in done.stdout and ".aot_eager-2.13.0+cpu.stack-" in done.stdout
     rows = [line.split() for line in done.stdout.splitlines() if " PASS " in f" {line} "]
     assert [(row[-6], row[-5]) for row in rows] == [("1", "none"), ("2", "tp"), ("4", "ep"), ("1", "none"),
                                                     ("1", "none")], done.stdout  # fmt: skip

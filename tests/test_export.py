@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import Verdict
-from shared.results.export import export_jobs, export_results
+from shared.results.export import export_jobs, export_results, file_name
 from shared.results.records import COLUMNS, RESULT_SCHEMA, SCHEMA_VERSION
 from tests.history import record, runtime
 
@@ -24,9 +24,10 @@ def test_one_file_per_compiler_and_library_version_read_by_the_seed_query(sessio
     summary = export_results(session, tmp_path / "export")
     names = sorted(p.name for p in summary.written)
     assert names == [
-        "2.21.33363.0+6dfecc895--transformers-5.24.0.parquet",
-        "2.22.1.0+abc--transformers-5.24.0.parquet",
+        f"2.21.33363.0+6dfecc895--transformers-5.24.0--stack-{a.stack().digest}.parquet",
+        f"2.22.1.0+abc--transformers-5.24.0--stack-{b.stack().digest}.parquet",
     ]
+    assert names == sorted(file_name("transformers", rt.stack()) for rt in (a, b))
 
     df = pd.read_parquet(f"{tmp_path / 'export'}/data")
     assert list(df.columns) == COLUMNS and COLUMNS[:6] == PUBLIC

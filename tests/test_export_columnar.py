@@ -71,7 +71,7 @@ def test_the_postgresql_export_reads_through_adbc_into_the_tables_the_sqlite_pat
     for name, table in by_rows.items():
         assert by_columns[name].schema.equals(table.schema), name
         assert by_columns[name].equals(table), name
-    flaky = by_columns[export.file_name(A.compiler_version, "transformers", A.library_version)]
+    flaky = by_columns[export.file_name("transformers", A.stack())]
     assert flaky.column("result").to_pylist()[0] == "FLAKY"
 
 
@@ -80,7 +80,7 @@ def test_a_file_the_export_after_a_job_cannot_patch_is_read_through_adbc_too(
 ) -> None:
     """``export_jobs`` writes a new file (a compiler version's first result) whole, through the same reader."""
     new = runtime("2.23.0+z", "5.25.0")
-    key = export.ExportKey(new.compiler_version, "transformers", new.library_version)
+    key = export.ExportKey.of(new.stack())
     with fresh_database("postgresql", tmp_path) as engine, Session(engine, expire_on_commit=False) as session:
         plant(session)
         export.export_results(session, tmp_path / "export")

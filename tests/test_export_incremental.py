@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import redis
@@ -53,7 +57,7 @@ def finished(session: Session, model: str, rt: RuntimeInfo, verdict: Verdict, **
 
 
 def data_file(export: Path, rt: RuntimeInfo) -> Path:
-    return export / "data" / file_name(rt.compiler_version, "transformers", rt.library_version)
+    return export / "data" / file_name("transformers", rt.stack())
 
 
 def results_by_model(path: Path) -> dict[str, str]:
@@ -82,6 +86,20 @@ def test_a_finished_job_rewrites_only_its_file_and_cells_as_a_full_export_would(
     for path in rebuilt.written:
         assert pq.read_table(export / "data" / path.name).equals(pq.read_table(path)), path.name
     assert export_jobs(session, export, [rerun]).unchanged == [data_file(export, A)]  # nothing new: not rewritten
+
+
+def test_a_full_export_removes_the_files_of_no_key_with_results(session: Session, tmp_path: Path) -> None:
+    export = tmp_path / "export"
+    finished(session, "org/kept", A, Verdict.PASS)
+    gone = finished(session, "org/gone", B, Verdict.PASS)
+    export_results(session, export)
+    older = export / "data" / "2.21.0+x--transformers-5.24.0.parquet"  # the same key, as schema 5 named its file
+    shutil.copy(data_file(export, A), older)
+    session.execute(sa.delete(Result).where(Result.job_id == gone))  # B's only result: B's key has none left
+    session.commit()
+    summary = export_results(session, export)
+    assert summary.removed == sorted([older, data_file(export, B)]) and summary.unchanged == [data_file(export, A)]
+    assert sorted((export / "data").iterdir()) == [data_file(export, A)]
 
 
 def test_a_result_nobody_asked_an_export_for_goes_out_with_the_next_export(session: Session, tmp_path: Path) -> None:
@@ -114,6 +132,70 @@ def test_the_exported_rows_are_the_records_the_api_serves(kind: str, tmp_path: P
         flaky = {"result": CellStatus.FLAKY}
         expected = [r.model_copy(update=flaky) if r.model_id == "org/passes" else r for _, r in sorted(newest.items())]
         assert pq.read_table(data_file(tmp_path / "export", A)).equals(to_table(expected))
+
+
+def read_open_file(path: Path) -> Any:
+    with path.open("rb") as file:
+        return pq.read_table(file)
+
+
+READS_OF_A_WHOLE_FILE: dict[str, Callable[[Path], Any]] = {
+    # Each opens the file once, as `datasets` does. pq.read_table(path) and pd.read_parquet(path) of one file do not:
+    # they open it for the schema and again for the rows (apache/arrow#35894), and a file replaced in between pairs
+    # the old footer with the new pages - "Page was smaller than expected", whatever the writer does.
+    "pq.ParquetFile": lambda path: pq.ParquetFile(path).read(),
+    "pq.read_table of an open file": lambda path: read_open_file(path),
+    "pd.read_parquet of the directory": lambda path: pd.read_parquet(path.parent),
+}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_readers_never_see_a_partial_file_while_bursts_of_full_and_incremental_exports_replace_them(
+    kind: str, tmp_path: Path
+) -> None:
+    """Every file read back whole, again and again, while exports rewrite it: the incremental one and the full one
+    (on PostgreSQL the full export reads with its pool of reader threads, on SQLite with one connection)."""
+    export, models = tmp_path / "export", [f"org/model-{i}" for i in range(24)]
+    with fresh_database(kind, tmp_path) as engine, Session(engine, expire_on_commit=False) as session:
+        for i, model in enumerate(models):
+            finished(session, model, (A, B)[i % 2], Verdict.PASS)
+        export_results(session, export)
+        files = sorted((export / "data").glob("*.parquet"))
+        stop, failures, reads = threading.Event(), list[str](), Counter[str]()
+
+        def read_continuously(how: str) -> None:
+            read = READS_OF_A_WHOLE_FILE[how]
+            while not stop.is_set():
+                for path in files:
+                    try:
+                        table = read(path)
+                    except Exception as error:  # a torn file shows as any error of the reader's
+                        failures.append(f"{how} {path.name}: {error!r}")
+                        continue
+                    if len(table) != (len(models) if how.endswith("directory") else len(models) // 2):
+                        failures.append(f"{how} {path.name}: {len(table)} rows")
+                    reads[how] += 1
+
+        readers = [threading.Thread(target=read_continuously, args=(how,)) for how in READS_OF_A_WHOLE_FILE]
+        for reader in readers:
+            reader.start()
+        replaced = 0
+        try:
+            for burst in range(12):  # each burst: a rerun of three models that flips their cells, then its export
+                jobs = [
+                    finished(session, model, (A, B)[i % 2], (Verdict.FAIL, Verdict.PASS)[burst % 2], force=True)
+                    for i, model in enumerate(models)
+                    if i % 8 == burst % 8
+                ]
+                summary = export_results(session, export) if burst % 3 == 2 else export_jobs(session, export, jobs)
+                replaced += len(summary.written)
+        finally:
+            stop.set()
+            for reader in readers:
+                reader.join()
+    assert failures == []
+    assert replaced >= 12 and min(reads[how] for how in READS_OF_A_WHOLE_FILE) >= 12, (replaced, reads)
+    assert [p.name for p in (export / "data").iterdir()] == [p.name for p in files]  # no temp file left behind
 
 
 # --- coalescing, through a real broker and a real collector ------------------------------------------------
@@ -195,6 +277,7 @@ class Collector:
         self.proc.wait(30)
 
 
+@pytest.mark.slow
 def test_results_finishing_together_are_all_exported_by_few_runs_of_one_commit_each(
     broker: str, tmp_path: Path
 ) -> None:
@@ -216,7 +299,9 @@ def test_results_finishing_together_are_all_exported_by_few_runs_of_one_commit_e
         def settled(expected: set[int]) -> Callable[[], bool]:
             def done() -> bool:
                 exported = {
-                    j for p in (export / "data").glob("*.parquet") for j in pq.read_table(p)["job_id"].to_pylist()
+                    j
+                    for p in (export / "data").glob("*.parquet")
+                    for j in pq.ParquetFile(p).read(["job_id"])["job_id"].to_pylist()
                 }
                 waiting = client.exists(PENDING_EXPORTS_KEY, EXPORT_SCHEDULED_KEY) or queued_tasks(broker)
                 return exported >= expected and not waiting and collector.idle()

@@ -104,6 +104,7 @@ def build_tiny_mistral(out: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_mistrals_sliding_window_cache_recompiling_per_token_ends_in_a_compile_error(tmp_path: Path) -> None:
     """transformers' static sliding-window cache guards on a Python int (its cumulative length) that changes at
     every decode step, so dynamo recompiles per token until its limit: ERROR(compile), the reason named."""

@@ -47,6 +47,7 @@ from testing.redis_server import RedisServer
 from testing.services import port_answers, short_leases
 from testing.tcp_proxy import Cut, TcpProxy
 from tests.conftest import PG_BASE, ROOT, RUN_DIR
+from tests.machine_speed import bound
 from tests.test_stages import frozen, runner_starts, stage_runner
 
 LEASE_S, HEARTBEAT_S, RECONCILE_S, GRACE_S, STALE_S = 6, 1, 2, 4, 5
@@ -54,9 +55,10 @@ RECLAIM_S = LEASE_S + 2 * RECONCILE_S  # a lost job is running again within this
 # A loaded 2-CPU machine's delay in starting the next attempt, on top of RECLAIM_S: the suite runs two test
 # processes at once (pytest-xdist), so another test's runners compete for the CPUs (9.8 s seen in CI while the
 # other process started zygotes, each importing torch); and a reconcile task may queue behind an export, which
-# holds the control worker for its window (EXPORT_WINDOW_S, 1 s).
-STARTUP_S = 12
-RUN_S = 90  # one job's two stages, start to end, on a loaded 2-CPU machine
+# holds the control worker for its window (EXPORT_WINDOW_S, 1 s). Tuned on the suite's 2-CPU machine (12 s), and
+# scaled by this machine's measured speed (tests/machine_speed.py), as is the next.
+STARTUP_S = bound(12)
+RUN_S = bound(90)  # one job's two stages, start to end, on a loaded 2-CPU machine
 COMPILER = "eager-2.13.0+cpu"  # SUPPORTMATRIX_CPU_COMPILE_BACKEND=eager: no compile, no other module's queue
 # The stack's logs (each process's output); set SUPPORTMATRIX_TEST_FAULT_LOGS to keep them after the run.
 LOGS = Path(os.environ.get("SUPPORTMATRIX_TEST_FAULT_LOGS", RUN_DIR / "faults-logs"))
@@ -343,6 +345,17 @@ def _in_group(process: psutil.Process, pgid: int) -> bool:
 
 
 # --- the tests -----------------------------------------------------------------------------------------------
+
+
+def test_the_timing_bounds_scale_with_the_machines_measured_speed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twice the tuned machine's import time doubles every bound; a faster machine keeps the tuned ones."""
+    from tests import machine_speed
+
+    for measured, expected in ((machine_speed.TUNED_IMPORT_S * 2, 24.0), (machine_speed.TUNED_IMPORT_S / 2, 12.0)):
+        monkeypatch.setenv(machine_speed.ENVIRONMENT, str(measured))
+        machine_speed.slowdown.cache_clear()
+        assert bound(12) == pytest.approx(expected)
+    machine_speed.slowdown.cache_clear()
 
 
 def test_a_pool_child_killed_mid_run_is_taken_over_at_once_and_ends_once(stack: Stack, workers: Any) -> None:

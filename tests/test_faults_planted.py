@@ -96,12 +96,47 @@ def test_only_the_last_rank_is_touched_by_a_shard_fault(llama: Any) -> None:
     assert all(torch.equal(a, b) for a, b in zip(untouched.parameters(), llama.parameters(), strict=True))
 
 
-def test_the_setting_offers_exactly_the_planted_faults() -> None:
-    """SUPPORTMATRIX_CPU_FAULT accepts every fault the runner plants and no other: the two lists cannot drift."""
-    import typing
+def test_the_setting_takes_each_fault_by_name_and_the_runner_plants_every_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SUPPORTMATRIX_CPU_FAULT takes a Fault by its name and no other name (the bench plants scale_shard@<s> through a
+    backend of its own); no Fault lacks a group of the runner's that plants it."""
+    from pydantic import ValidationError
 
-    from services.runner.faults import FAULTS
+    from shared.contracts.enums import Fault
     from shared.settings import Settings
 
-    [offered] = [a for a in typing.get_args(Settings.model_fields["cpu_fault"].annotation) if a is not type(None)]
-    assert sorted(typing.get_args(offered)) == sorted(FAULTS)
+    monkeypatch.setenv("SUPPORTMATRIX_CPU_FAULT", "late_nan")
+    assert Settings().cpu_fault is Fault.late_nan
+    with pytest.raises(ValidationError):
+        Settings(cpu_fault="scale_shard@0.005")
+    assert set(faults.MODEL_FAULTS + faults.GENERATION_FAULTS + faults.MODULE_FAULTS) == set(Fault)
+
+
+def _mixtral() -> Any:
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config).eval()
+
+
+def test_a_wrong_expert_permutation_rotates_the_last_ranks_experts_and_leaves_the_router() -> None:
+    """On one core the last half of each MoE layer's experts (a 2-way split's last rank) hold their neighbours'
+    weights: the output moves, the routers' weights and the first half do not; rank 0 of 2 is untouched; a dense
+    model has no experts to permute."""
+    moe = _mixtral()
+    broken = copy.deepcopy(moe)
+    faults.inject(broken, "permute_experts", rank=0, world_size=1)
+    for (name, before), after in zip(moe.named_parameters(), broken.parameters(), strict=True):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            assert torch.equal(after[:2], before[:2]) and torch.equal(after[2:], before[2:].roll(1, dims=0))
+            assert not torch.equal(after, before)
+        else:
+            assert torch.equal(after, before), name  # the routers choose as before, from the same input
+    assert torch.equal(_faulted(moe, "permute_experts"), _faulted(moe, "permute_experts"))
+    assert not torch.allclose(_faulted(moe, "permute_experts")[0], _scores(moe)[0])
+    untouched = copy.deepcopy(moe)
+    faults.inject(untouched, "permute_experts", rank=0, world_size=2)
+    assert all(torch.equal(a, b) for a, b in zip(untouched.parameters(), moe.parameters(), strict=True))
+    with pytest.raises(ValueError, match="no expert weights"):
+        faults.inject(copy.deepcopy(_llama()), "permute_experts", 0, 1)

@@ -118,6 +118,7 @@ def test_the_launcher_process_forks_its_workers_and_stops_them(api: Any, tmp_pat
     assert not Path(f"/proc/{started}").exists() and registered() == set()  # gone, and deregistered
 
 
+@pytest.mark.slow
 def test_a_hosts_runtime_is_described_once_and_kept(tmp_path: Path) -> None:
     """Workers after the first start without a runner child: the description is kept per installation."""
     from services.worker.__main__ import describe_runtime
@@ -137,6 +138,7 @@ def test_a_hosts_runtime_is_described_once_and_kept(tmp_path: Path) -> None:
         planned = default_runtime(configured)
         assert planned is not None and planned.compiler_name == described.compiler_name
         assert planned.compiler_version == described.compiler_version
+        assert planned.stack() == described.stack()  # the whole stack: a worker refuses a job of any other
 
 
 def test_a_launcher_that_loses_the_database_keeps_its_workers_and_goes_on() -> None:

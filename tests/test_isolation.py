@@ -12,13 +12,16 @@ entry in its own compile cache; the next run neither loads nor pushes it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pwd
 import re
 import shutil
+import stat
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,18 +32,23 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from shared.contracts.enums import FINISHED_STATES, JobState
+from services.worker.supervise import Prefetched, keeps_work_directory, prefetch, supervise
+from shared.contracts.enums import FINISHED_STATES, ErrorClass, JobState, Stage, Verdict
+from shared.contracts.report import RunReport
+from shared.contracts.run import RunRequest, RuntimeInfo
 from shared.db.engine import make_engine
 from shared.db.migrate import upgrade
 from shared.db.models import Job, Result, Worker
+from shared.isolation import RunAs, Sandbox, WorkDir, give
 from shared.jobs.broker import make_celery
 from shared.jobs.dispatch import commit_and_enqueue
+from shared.jobs.outcomes import job_report
 from shared.jobs.submission import Request, submit_model
 from shared.settings import Settings
 from shared.zygote_client import zygote_address
 from testing.redis_server import RedisServer
 from testing.tiny_models import CUSTOM_MODELING_CODE
-from tests.conftest import RUN_DIR
+from tests.conftest import HUB_TOKEN, RUN_DIR
 from tests.test_faults import LOGS, Proc, stop_all, worker_argv
 
 ORG = "iso"
@@ -59,22 +67,34 @@ SPY = """\
 import json as _json
 import os as _os
 import pathlib as _pathlib
+import tempfile as _tempfile
 
 _TARGETS = _json.loads({targets!r})
 _POISON = "open({marker_path!r}, 'w').close()  # {marker}\\n"
 
 
 def _supportmatrix_probe():
-    found = {{"uid": _os.getuid(), "environment": sorted(_os.environ), "environ": {{}}, "signal": {{}},
-             "read": {{}}, "write": {{}}}}
-    for name in ("SUPPORTMATRIX_CACHE_DIR", "HF_HOME", "HOME"):
+    found = {{"uid": _os.getuid(), "environment": sorted(_os.environ), "values": dict(_os.environ), "environ": {{}},
+             "environ_text": {{}}, "signal": {{}}, "read": {{}}, "write": {{}}, "token_files": {{}}}}
+    for name in ("SUPPORTMATRIX_CACHE_DIR", "HF_HOME", "HOME", "TMPDIR", "TORCH_NEURONX_DEBUG_DIR", "HF_HUB_OFFLINE"):
         found[name] = _os.environ.get(name)
+    work = _os.stat(_os.path.dirname(_os.environ["TORCH_NEURONX_DEBUG_DIR"]))
+    found["work"] = {{"uid": work.st_uid, "mode": work.st_mode & 0o777}}
+    found["tempfile"] = _tempfile.gettempdir()
+    hub_home = _pathlib.Path(_os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
+    home_login = _pathlib.Path("~/.cache/huggingface/token").expanduser()
+    token_path = _pathlib.Path(_os.environ.get("HF_TOKEN_PATH", "/nonexistent"))
+    for path in (hub_home / "token", hub_home / "stored_tokens", home_login, token_path):
+        try:
+            found["token_files"][str(path)] = path.read_text()
+        except OSError as exc:
+            found["token_files"][str(path)] = type(exc).__name__
     for entry in _pathlib.Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             owner = int((entry / "status").read_text().split("Uid:")[1].split()[0])
-            (entry / "environ").read_bytes()
+            found["environ_text"][entry.name] = (entry / "environ").read_bytes().decode(errors="replace")
             outcome = "read"
         except PermissionError:
             outcome = "denied"
@@ -100,6 +120,27 @@ def _supportmatrix_probe():
             found["write"][path] = "wrote"
         except OSError as exc:
             found["write"][path] = "denied" if isinstance(exc, PermissionError) else type(exc).__name__
+    # Everything of its job it can read (its sandbox, the download's log and report, the runners' logs) is copied
+    # out for the test to search; the worker's download staging it must not even list.
+    job_dir = _pathlib.Path(_os.environ["HF_HOME"]).parent.parent
+    tree = _pathlib.Path({probes!r}) / f"{{_os.getpid()}}-tree"
+    found["pid"], found["copied"] = _os.getpid(), {{}}
+    for path in sorted(job_dir.rglob("*")):
+        if not path.is_file():  # a snapshot's links are read through: the blobs they name
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            found["copied"][str(path.relative_to(job_dir))] = type(exc).__name__
+            continue
+        copy = tree / path.relative_to(job_dir)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_bytes(data)
+        found["copied"][str(path.relative_to(job_dir))] = "copied"
+    try:
+        found["staging"] = sorted(_os.listdir(job_dir.parent / ".downloads"))
+    except OSError as exc:
+        found["staging"] = type(exc).__name__
     private = _pathlib.Path(_os.environ["SUPPORTMATRIX_CACHE_DIR"]) / "inductor" / "fxgraph" / "poison" / "entry.py"
     private.parent.mkdir(parents=True, exist_ok=True)
     private.write_text(_POISON)
@@ -140,6 +181,11 @@ class Isolated:
             assert time.monotonic() < deadline, f"job {job_id} of {model} still {job.state}:\n{logs}"
             time.sleep(0.5)
 
+    def probes_of(self, job: Job) -> list[dict[str, Any]]:
+        """What the repo's code saw in each process of ``job`` that imported it."""
+        probes = [json.loads(p.read_text()) for p in self.probes.glob("*.json")]
+        return [probe for probe in probes if f"/job-{job.id}/" in probe["TORCH_NEURONX_DEBUG_DIR"]]
+
     def rows(self, job_id: int) -> list[Result]:
         with Session(self.engine) as session:
             return list(session.scalars(sa.select(Result).where(Result.job_id == job_id)))
@@ -166,8 +212,12 @@ def isolated(hub: Any, tiny_models: Path) -> Iterator[Isolated]:
     os.chown(remote, runner.pw_uid, runner.pw_gid)  # the compile cache's remote, written by trusted runs
     (data / "service.env").write_text("SUPPORTMATRIX_DATABASE_URL=postgresql://svc:secret@db/prod\n")
     (data / "service.env").chmod(0o600)  # a service's secrets, as an operator keeps them
+    (root / "hf-home").mkdir(exist_ok=True)
+    service_token = root / "hf-home" / "token"  # the service's own Hub login, 0600 as `hf auth login` leaves it
+    service_token.write_text(HUB_TOKEN)
+    service_token.chmod(0o600)
     targets = {
-        "read": [str(data / "supportmatrix.db"), str(data / "service.env")],
+        "read": [str(data / "supportmatrix.db"), str(data / "service.env"), str(service_token)],
         "write": [str(data / "cache" / "inductor" / "poison.py"), str(root / "hf-home" / "poison.py"),
                   str(data / "poison.py"), str(data / "artifacts" / "poison.py")],
     }  # fmt: skip
@@ -177,6 +227,7 @@ def isolated(hub: Any, tiny_models: Path) -> Iterator[Isolated]:
     code = SPY.format(targets=json.dumps(targets), marker_path=str(root / MARKER), marker=MARKER, probes=str(probes))
     (spy / "modeling_custom.py").write_text(code + CUSTOM_MODELING_CODE)
     hub.add(f"{ORG}/tiny-spy", spy)
+    hub.add(f"{ORG}/tiny-gated-spy", spy, gated="manual")  # readable with the stand-in's one token only
     for name in ("tiny-llama", "tiny-gpt2"):
         hub.add(f"{ORG}/{name}", tiny_models / name)
 
@@ -197,6 +248,7 @@ def isolated(hub: Any, tiny_models: Path) -> Iterator[Isolated]:
         "SUPPORTMATRIX_COMPILE_CACHE_REMOTE": f"file://{remote}",
         "SUPPORTMATRIX_COMPILE_CACHE_PUSH": "true",
         "SUPPORTMATRIX_COMPILE_CACHE_TOKEN": "a-compile-cache-write-token",
+        "HF_TOKEN": HUB_TOKEN,  # the service's Hub token: gated repos' files need it
     }
     # The accelerator worker's runners fork from a zygote, started as the host launcher starts it (root, the
     # runners' environment); the verdict worker's start as fresh interpreters: both ways of taking a user.
@@ -240,9 +292,19 @@ def test_repo_code_runs_as_the_sandbox_user_reaches_no_secret_and_poisons_no_lat
     assert "the zygote refused: environment differs from the zygote's in HF_HOME, HOME, SUPPORTMATRIX_CACHE_DIR" in acc
     assert f"as {SANDBOX})" in acc and f"a fresh interpreter, as {SANDBOX})" in verdict
 
-    probes = [json.loads(p.read_text()) for p in isolated.probes.glob("*.json")]
+    probes = isolated.probes_of(spied)
     assert len(probes) >= 2, "the accelerator run and the CPU reference each import the repo's code"
-    sandbox = isolated.data / "artifacts" / f"job-{spied.id}" / "sandbox"
+    artifacts = isolated.data / "artifacts" / f"job-{spied.id}"
+    sandbox = artifacts / "sandbox"
+    # each stage worked in a directory of its own, 0700, the sandbox user's: TorchNeuron's is there, and TMPDIR
+    # (but the CPU backend's accelerator run's, inductor's scratch in the sandbox's own compile cache)
+    work = {stage: str(artifacts / f"work-{stage}") for stage in ("accelerator", "verdict")}
+    assert {probe["TORCH_NEURONX_DEBUG_DIR"] for probe in probes} == {f"{w}/neuron_backend" for w in work.values()}
+    for probe in probes:
+        assert probe["work"] == {"uid": sandbox_uid, "mode": 0o700}
+        stage_work = probe["TORCH_NEURONX_DEBUG_DIR"].removesuffix("/neuron_backend")
+        scratch = str(sandbox / "cache" / "inductor" / "tmp") if stage_work == work["accelerator"] else stage_work
+        assert probe["TMPDIR"] == probe["tempfile"] == scratch
     services = isolated.worker_pids() | {os.getpid()}  # the workers, and this process (it holds the suite's API)
     for probe in probes:
         assert probe["uid"] == sandbox_uid
@@ -278,3 +340,271 @@ def test_repo_code_runs_as_the_sandbox_user_reaches_no_secret_and_poisons_no_lat
     for path in pushed + shared:
         assert "poison" not in path.as_posix() and MARKER not in path.read_text(errors="replace"), path
     assert not (isolated.root / MARKER).exists()  # the poisoned entry never ran
+
+
+def test_a_gated_repo_with_its_own_code_is_downloaded_by_the_worker_and_its_code_never_sees_the_token(
+    isolated: Isolated, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spy repo, gated: the worker holds the Hub token, downloads the repo (its code from the pinned commit)
+    into a staging directory of its own, hands it to the sandbox user when the download has ended, and the runner
+    of the repo's code runs offline on those files without the token. The row is a PASS; the code, in each process
+    that imported it, found the token in no variable, no /proc/<pid>/environ it could read, no token file (its Hub
+    cache's, its home's, HF_TOKEN_PATH, the service's own login), and no file of its job it could read — its whole
+    sandbox, the download's log, the runners' logs — and could not list the worker's download staging."""
+    monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)  # the API's: sizing a gated repo reads its config
+    job = isolated.run(f"{ORG}/tiny-gated-spy")
+    [row] = isolated.rows(job.id)
+    assert job.state == JobState.done and row.verdict == "PASS", (job.error_class, job.error_message)
+    assert job.gated and job.trust_remote_code
+    acc = isolated.workers[1].text()
+    assert f"job {job.id}: the worker downloads gated {ORG}/tiny-gated-spy for its code's sandbox" in acc
+    probes = isolated.probes_of(job)
+    assert len(probes) >= 2, "the accelerator run and the CPU reference each import the repo's code"
+    sandbox_uid = pwd.getpwnam(SANDBOX).pw_uid
+    token = HUB_TOKEN.encode()
+    for probe in probes:
+        assert probe["uid"] == sandbox_uid and "HF_TOKEN" not in probe["environment"]
+        assert probe["environ_text"], "it read the environments of its own user's processes"
+        assert HUB_TOKEN not in json.dumps(probe), [k for k, v in probe.items() if HUB_TOKEN in json.dumps(v)]
+        assert set(probe["read"].values()) == {"denied"}, probe["read"]  # the service's token file among them
+        assert probe["staging"] == "PermissionError"
+        copied = {path for path, outcome in probe["copied"].items() if outcome == "copied"}
+        snapshot = [path for path in copied if path.startswith("sandbox/hf-home/hub/models--")]
+        assert "download.log" in copied and "accelerator-runner.log" in copied, sorted(probe["copied"].items())
+        assert {Path(path).name for path in snapshot} >= {"config.json", "modeling_custom.py"}, snapshot
+        for copy in (isolated.probes / f"{probe['pid']}-tree").rglob("*"):
+            assert copy.is_dir() or token not in copy.read_bytes(), copy
+    # the accelerator run read the worker's download offline; the files came from the commit it was sized at
+    accelerator = [probe for probe in probes if "/work-accelerator/" in probe["TORCH_NEURONX_DEBUG_DIR"]]
+    assert accelerator and {probe["HF_HUB_OFFLINE"] for probe in accelerator} == {"1"}
+    assert not (isolated.data / "artifacts" / f"job-{job.id}").exists()
+    assert list((isolated.data / "artifacts" / ".downloads").iterdir()) == []  # the staging went with its download
+
+
+WORK_PROBE = """\
+import json, os, pathlib, sys
+found = {}
+for path in sys.argv[1:]:
+    try:
+        found[path] = sorted(os.listdir(path))
+    except OSError as exc:
+        found[path] = type(exc).__name__
+print(json.dumps(found))
+"""
+
+
+def as_user(name: str, script: str, *args: str, env: dict[str, str] | None = None) -> Any:
+    """``script`` run by ``python -c`` as the user ``name``: its JSON answer."""
+    import subprocess
+
+    user = pwd.getpwnam(name)
+    done = subprocess.run([sys.executable, "-c", script, *args], user=user.pw_uid, group=user.pw_gid, extra_groups=[],
+                          env=env, capture_output=True, text=True, check=True, cwd="/", timeout=60)  # fmt: skip
+    return json.loads(done.stdout)
+
+
+def stage_job(name: str, job_id: int, *, gated: bool = False, trust_remote_code: bool = False) -> Job:
+    """A job row as the worker holds it when it supervises a stage (not stored: supervise reads its columns)."""
+    runtime = RuntimeInfo(backend="cpu", compiler_name="inductor", compiler_version="2.9", library_version="4")
+    return Job(id=job_id, model_id=name, sha="c" * 40, task="text-generation", cores=1, gated=gated,
+               trust_remote_code=trust_remote_code, **runtime.model_dump())  # fmt: skip
+
+
+def lease_held() -> bool:
+    return True
+
+
+def test_two_runs_get_work_directories_of_their_own_user_that_no_other_user_can_read() -> None:
+    """Two real runs, supervised as the worker supervises a stage — a runner of the runner user and one of the
+    sandbox user, each a judge stage with nothing to judge, so each ends ERROR and keeps its work directory (as an
+    ERROR's and a FAIL's are kept) — got different directories, 0700, each its run's user's. Each user writes
+    TorchNeuron's directory in its own; neither can list the other's, nor can a third user either, though all reach
+    the job directories above them. What it does not guarantee: another run of the *same* user lists it (the
+    boundary is the user's, not the run's: two sandboxed jobs share the sandbox uid)."""
+    base = RUN_DIR / "workdirs" / uuid.uuid4().hex[:8]
+    artifacts = base / "artifacts"
+    artifacts.mkdir(parents=True)
+    for directory in (base, artifacts):
+        directory.chmod(0o755)
+    settings = Settings(data_dir=base, zygote=False)
+    works: dict[str, WorkDir] = {}
+    for job_id, user in enumerate((RUNNER, SANDBOX), start=1):
+        job_dir = artifacts / f"job-{job_id}"
+        job_dir.mkdir()
+        give(job_dir, RunAs.named(user))  # as the worker's stage_user gives a job's artifacts to its stage's user
+        request = RunRequest(model_id="iso/nothing-to-judge", stage=Stage.judge, artifacts=job_dir,
+                             report=job_dir / "judge-report.json")  # fmt: skip
+        job = stage_job("iso/nothing-to-judge", job_id)
+        report = supervise(request, job, settings, lease_held, None, None, RunAs.named(user))
+        assert report is not None and report.verdict == "ERROR", report
+        works[user] = WorkDir.of_stage(job_dir, Stage.judge.value)
+    assert works[RUNNER].path != works[SANDBOX].path
+    for user, work in works.items():
+        held = work.path.lstat()
+        assert stat.S_ISDIR(held.st_mode) and (held.st_uid, held.st_mode & 0o777) == (pwd.getpwnam(user).pw_uid, 0o700)
+    write = (
+        "import os, pathlib; d = pathlib.Path(os.environ['TORCH_NEURONX_DEBUG_DIR']); d.mkdir(); "
+        "(d / 'graph.hlo').write_text('g'); print(1)"
+    )
+    for user, work in works.items():
+        assert as_user(user, write, env={"PATH": os.environ["PATH"], **work.environment()}) == 1
+    for user, other in ((RUNNER, SANDBOX), (SANDBOX, RUNNER), ("nobody", RUNNER), ("nobody", SANDBOX)):
+        theirs = works[other]
+        found = as_user(user, WORK_PROBE, str(theirs.path), str(theirs.neuron_debug), str(theirs.path.parent))
+        assert found[str(theirs.path)] == found[str(theirs.neuron_debug)] == "PermissionError", (user, other)
+        assert "work-judge" in found[str(theirs.path.parent)]  # the job's directory: reachable, the work dir is not
+    # the boundary is the user's: another run of the sandbox user (another sandboxed job) reads this one's
+    sandboxed = works[SANDBOX]
+    assert as_user(SANDBOX, WORK_PROBE, str(sandboxed.neuron_debug)) == {str(sandboxed.neuron_debug): ["graph.hlo"]}
+    shutil.rmtree(base)
+
+
+def test_a_work_directory_is_kept_while_its_row_may_be_a_fail_and_for_a_fail_or_an_error() -> None:
+    """The accelerator stage's (verdict None: the verdict stage decides next), a FAIL's and an ERROR's are kept
+    with the artifacts, which the worker's retention rule then keeps for a FAIL; a PASS's, a SKIPPED's and a
+    cancelled stage's go when the stage ends."""
+    kept = {verdict: keeps_work_directory(RunReport.model_validate(SKELETON | {"verdict": verdict}))
+            for verdict in (None, *Verdict)}  # fmt: skip
+    assert kept == {None: True, Verdict.FAIL: True, Verdict.ERROR: True, Verdict.PASS: False, Verdict.SKIPPED: False}
+    assert keeps_work_directory(None) is False
+
+
+SKELETON: dict[str, Any] = {"subject": {"model_id": "iso/m", "task": "text-generation", "backend": "cpu"}}
+
+
+def test_a_link_or_file_planted_at_a_work_directory_is_removed_never_followed(tmp_path: Path) -> None:
+    """A process of the job's user can plant a link (or a file) where the next stage's work directory goes, before
+    the worker (root) makes it: the link is removed, its target keeps its files, owner and mode, and the work
+    directory is a fresh, real directory, 0700, the run's user's."""
+    sandbox = RunAs.named(SANDBOX)
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o755)
+    (victim / "kept").write_text("root's")
+    for planted in ("link", "file"):
+        job_dir = tmp_path / f"job-{planted}"
+        job_dir.mkdir()
+        work = WorkDir.of_stage(job_dir, "accelerator")
+        if planted == "link":
+            work.path.symlink_to(victim, target_is_directory=True)
+        else:
+            work.path.write_text("planted")
+        work.create(sandbox)
+        held = work.path.lstat()
+        assert stat.S_ISDIR(held.st_mode) and (held.st_uid, held.st_mode & 0o777) == (sandbox.uid, 0o700)
+        assert list(work.path.iterdir()) == []
+    victim_held = victim.stat()
+    assert (victim_held.st_uid, victim_held.st_mode & 0o777) == (0, 0o755)
+    assert [p.name for p in victim.iterdir()] == ["kept"] and (victim / "kept").read_text() == "root's"
+
+
+def test_a_work_directory_that_cannot_be_made_is_the_stages_error_internal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk (or an entry the worker cannot remove) where the stage's work directory goes: supervise writes
+    the stage's ERROR(internal) report naming it, and starts no runner."""
+
+    def disk_full(self: WorkDir, user: RunAs | None) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(WorkDir, "create", disk_full)
+    job_dir = tmp_path / "job-7"
+    job_dir.mkdir()
+    request = RunRequest(model_id="iso/m", stage=Stage.accelerator, artifacts=job_dir,
+                         report=job_dir / "accelerator-report.json")  # fmt: skip
+    report = supervise(request, stage_job("iso/m", 7), Settings(data_dir=tmp_path), lease_held, None)
+    assert report is not None and (report.verdict, report.failure.error_class) == ("ERROR", "internal")
+    assert str(job_dir / "work-accelerator") in (report.failure.error_message or "")
+    assert "No space left on device" in (report.failure.error_message or "")
+    assert list(job_dir.iterdir()) == []  # no runner started: no log
+
+
+PLANT_LINKS = """import json, os, pathlib, sys
+job, victim = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+(job / "sandbox" / "hf-home" / "hub").symlink_to(victim / "hub", target_is_directory=True)
+for name in ("download.log", "download-report.json"):
+    (job / name).symlink_to(victim / name)
+print(json.dumps(sorted(str(p.relative_to(job)) for p in job.rglob("*"))))
+"""
+
+
+def test_the_workers_download_writes_nothing_through_links_a_sandbox_process_planted(
+    hub: Any, tiny_models: Path
+) -> None:
+    """Another job's repo code runs as the same sandbox user and can write this job's directory and its sandbox Hub
+    cache (the worker gave them to that user): it plants links there, to a directory only root may write, before
+    the worker (root, holding the token) downloads a gated repo with code. The download goes into a staging
+    directory no sandbox process can list, is handed over (owned by the sandbox user, no link followed) only when
+    it has ended, and replaces the planted links: nothing is written through them. A failed download (a commit
+    that does not exist) writes nothing through them either, and its report holds no token."""
+    from huggingface_hub import HfApi
+
+    sandbox_user = RunAs.named(SANDBOX)
+    hub.add(f"{ORG}/planted-gated", tiny_models / "tiny-custom", gated="manual")
+    sha = HfApi(token=HUB_TOKEN).model_info(f"{ORG}/planted-gated").sha
+    base = RUN_DIR / "planted" / uuid.uuid4().hex[:8]  # the runner users pass through RUN_DIR
+    data, victim = base / "data", base / "victim"  # the victim: root's, where the links point
+    artifacts = data / "artifacts"
+    for directory in (base, data, artifacts, victim):
+        directory.mkdir(parents=True)
+        directory.chmod(0o755)
+    settings = Settings(data_dir=data, zygote=False)
+    outcomes = {}
+    for job_id, revision in ((1, sha), (2, "f" * 40)):
+        job_dir = artifacts / f"job-{job_id}"
+        job_dir.mkdir()
+        Sandbox.of_job(job_dir).create(sandbox_user)  # as the worker's stage_user makes it, then gives it
+        give(job_dir, sandbox_user)
+        planted = as_user(SANDBOX, PLANT_LINKS, str(job_dir), str(victim))
+        assert {"sandbox/hf-home/hub", "download.log", "download-report.json"} <= set(planted)
+        request = RunRequest(model_id=f"{ORG}/planted-gated", revision=revision, trust_remote_code=True,
+                             stage=Stage.accelerator, artifacts=job_dir,
+                             report=job_dir / "accelerator-report.json")  # fmt: skip
+        job = stage_job(f"{ORG}/planted-gated", job_id, gated=True, trust_remote_code=True)
+
+        def failed(error_class: ErrorClass, message: str, job: Job = job) -> RunReport:
+            return job_report(job, Verdict.ERROR, error_class, message)
+
+        outcomes[job_id] = prefetch(request, job, settings, lease_held, HUB_TOKEN, sandbox_user, failed)
+        assert list(victim.iterdir()) == [], f"written through a planted link: {list(victim.rglob('*'))}"
+    assert outcomes[1] is Prefetched.done, outcomes[1]
+    hub_home = Sandbox.of_job(artifacts / "job-1").hub_home
+    assert not hub_home.is_symlink() and not (hub_home / "hub").is_symlink()
+    for entry in (hub_home, *hub_home.rglob("*")):
+        assert entry.lstat().st_uid == sandbox_user.uid, entry  # handed over: the sandbox user's
+    [snapshot] = (hub_home / "hub" / f"models--{ORG}--planted-gated" / "snapshots").iterdir()
+    assert snapshot.name == sha and {"config.json", "model.safetensors", "modeling_custom.py"} <= {
+        p.name for p in snapshot.iterdir()
+    }
+    log = artifacts / "job-1" / "download.log"
+    assert not log.is_symlink() and log.is_file() and log.lstat().st_uid == sandbox_user.uid
+    failure = outcomes[2]
+    assert isinstance(failure, RunReport) and failure.failure.error_class == "not_found", failure
+    assert HUB_TOKEN not in failure.model_dump_json()
+    assert list((artifacts / ".downloads").iterdir()) == []  # each staging went with its download
+    held = (artifacts / ".downloads").lstat()
+    assert (held.st_uid, held.st_mode & 0o777) == (0, 0o700)
+    assert as_user(SANDBOX, WORK_PROBE, str(artifacts / ".downloads")) == {
+        str(artifacts / ".downloads"): "PermissionError"
+    }
+
+
+def test_giving_a_tree_to_a_runner_user_follows_no_link_in_it(tmp_path: Path) -> None:
+    """``give`` (the worker, root, handing a job's directory to its stage's user) changes the owner of every entry
+    of the tree, links themselves included, and of nothing a link points to: a link planted in the tree, or given
+    as the tree itself, leaves its root-owned target as it was."""
+    sandbox = RunAs.named(SANDBOX)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "secret").write_text("root's")
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "file").write_text("job's")
+    (tree / "sub" / "to-dir").symlink_to(victim, target_is_directory=True)
+    (tree / "to-file").symlink_to(victim / "secret")
+    give(tree, sandbox)
+    for entry in (tree, *tree.rglob("*")):
+        assert entry.lstat().st_uid == sandbox.uid, entry
+    (tmp_path / "tree-link").symlink_to(victim, target_is_directory=True)
+    give(tmp_path / "tree-link", sandbox)
+    for entry in (victim, victim / "secret"):
+        assert entry.stat().st_uid == 0, entry

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import time
 from pathlib import Path
@@ -18,9 +19,12 @@ from shared.hub.client import ResolvedModel
 from shared.jobs.attempts import attempts
 from shared.jobs.lease import Claim, acquire_lease, heartbeat, release_for_verdict
 from shared.jobs.outcomes import JobFinished, JobNotFound, NotYourJob, cancel, finish, settle
+from shared.jobs.queues import job_queue
+from shared.jobs.reconcile import mark_queue_live, reconcile
 from shared.jobs.runtimes import RUNTIMES_SNAPSHOT_S, NoRuntime, UnknownCompiler, plan_runtimes, served_runtimes
 from shared.jobs.submission import submit
 from shared.settings import Settings
+from tests.conftest import fresh_database
 from tests.history import report_of
 
 RUNTIME = RuntimeInfo(
@@ -98,7 +102,7 @@ def test_the_verdict_stage_is_taken_from_judging_after_the_cores_are_released(
     assert acquire_lease(session, job.id, "acc", settings)[0] == Claim.taken
     # a verdict stage cannot start while the accelerator stage runs
     assert acquire_lease(session, job.id, "v1", settings, Stage.verdict)[0] == Claim.gone
-    assert release_for_verdict(session, job.id, "acc", "supportmatrix.verdict.h", "2.13.0")
+    assert release_for_verdict(session, job.id, "acc", "supportmatrix.verdict.h")
     job = session.get(Job, job.id, populate_existing=True)
     assert job.state == JobState.judging and job.lease_owner is None and job.verdict_queue == "supportmatrix.verdict.h"
     assert finish(session, job.id, "acc", report()) is False  # the accelerator stage holds nothing now
@@ -168,8 +172,9 @@ def test_submission_deduplicates_and_the_database_refuses_a_second_active_job(se
     assert not again.created and again.job.id == first.id
     [forced] = submit(session, MODEL, None, [RUNTIME], force=True)
     assert not forced.created  # force never doubles an active job
-    duplicate = Job(**{c: getattr(first, c) for c in ("model_id", "sha", "task", "compiler_name",
-                    "compiler_version", "library", "library_version", "backend", "queue", "config_hash")})  # fmt: skip
+    columns = ("model_id", "sha", "task", "compiler_name", "compiler_version", "library", "library_version",
+               "torch_version", "backend", "queue", "config_hash")  # fmt: skip
+    duplicate = Job(**{c: getattr(first, c) for c in columns})
     session.add(duplicate)
     with pytest.raises(sa.exc.IntegrityError):
         session.flush()
@@ -207,12 +212,80 @@ def test_a_newly_live_workers_runtime_is_served_once_the_snapshot_has_aged(
     assert [r.compiler_version for r in plan_runtimes(session, with_default, None)] == ["c-1"]
 
 
-def test_each_compiler_and_library_is_served_by_the_runtime_of_its_first_live_worker(
-    session: Session, settings: Settings
-) -> None:
-    # (name, compiler version, torch version): "b" and "d" share c-1 with "a" but differ in torch.
-    for name, version, torch in [("d", "c-1", "t-3"), ("c", "c-2", "t-1"), ("b", "c-1", "t-2"), ("a", "c-1", "t-1")]:
+def test_each_stack_is_served_by_the_runtime_of_its_first_live_worker(session: Session, settings: Settings) -> None:
+    # (name, compiler version, torch version): "b" and "d" share c-1 with "a" but differ in torch: other stacks;
+    # "e" serves a's stack again.
+    workers = [("d", "c-1", "t-3"), ("c", "c-2", "t-1"), ("b", "c-1", "t-2"), ("a", "c-1", "t-1"), ("e", "c-1", "t-1")]
+    for name, version, torch in workers:
         session.add(live_worker(name, version, torch=torch))
     session.flush()
     served = served_runtimes(session, settings)
-    assert [(r.compiler_version, r.torch_version) for r in served] == [("c-1", "t-1"), ("c-2", "t-1")]
+    assert [(r.compiler_version, r.torch_version) for r in served] == [
+        ("c-1", "t-1"), ("c-1", "t-2"), ("c-2", "t-1"), ("c-1", "t-3"),
+    ]  # fmt: skip
+
+
+def test_a_fleet_scaled_to_zero_is_planned_for_the_stacks_it_served_last(session: Session, settings: Settings) -> None:
+    """With no worker live, jobs go to the stacks whose queues were live last (what the fleet serves again when it
+    scales up: only a worker knows its exact builds), not to the API's own reading of what is installed; a stack
+    that stopped well before them is not planned, nor another backend's; the default compiler, when set, picks."""
+    newest = utcnow()
+    other_torch = RUNTIME.model_copy(update={"torch_version": "2.13.1+cpu"})
+    older = RUNTIME.model_copy(update={"compiler_version": "inductor-2.12.0+cpu"})
+    neuron = RUNTIME.model_copy(update={"backend": "neuron", "compiler_version": "2.28.7631.0"})
+    for runtime, at in [(RUNTIME, newest), (other_torch, newest - dt.timedelta(seconds=5)),
+                        (older, newest - dt.timedelta(hours=1)), (neuron, newest)]:  # fmt: skip
+        mark_queue_live(session, job_queue(runtime.backend, runtime.stack(), 1), now=at, runtime=runtime)
+    mark_queue_live(session, "supportmatrix.verdict.h", now=newest)  # a verdict queue serves no stack
+    session.flush()
+    cpu = settings.model_copy(update={"backend": "cpu"})
+    assert [r.stack() for r in plan_runtimes(session, cpu, None)] == [RUNTIME.stack(), other_torch.stack()]
+    chosen = cpu.model_copy(update={"default_compiler": older.compiler_version})
+    assert plan_runtimes(session, chosen, None) == [older]
+    [job] = submit(session, MODEL, None, plan_runtimes(session, cpu, None)[:1])
+    assert job.job.queue == job_queue("cpu", RUNTIME.stack(), 1)  # the queue its workers consume when they are back
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_job_planned_for_a_fleet_scaled_to_zero_waits_no_worker_after_s_from_its_own_submission(
+    kind: str, tmp_path: Path, settings: Settings
+) -> None:
+    """The queue a fleet scaled to zero served last was live hours ago: a job planned for it now stays queued (re-sent
+    each grace) while KEDA starts a node, and ends ERROR(no_worker) only no_worker_after_s after its own submission,
+    never one grace after it. A verdict stage counts from when it began the same way."""
+    cpu = settings.model_copy(update={"backend": "cpu"})
+    long_ago = utcnow() - dt.timedelta(hours=2)
+    queue = job_queue("cpu", RUNTIME.stack(), 1)
+    with fresh_database(kind, tmp_path) as engine, Session(engine, expire_on_commit=False) as session:
+        mark_queue_live(session, queue, now=long_ago, runtime=RUNTIME)
+        mark_queue_live(session, "supportmatrix.verdict.gone", now=long_ago)
+        [waiting] = submit(session, MODEL, None, plan_runtimes(session, cpu, None))
+        [judged] = submit(session, dataclasses.replace(MODEL, model_id="org/judged"), None, [RUNTIME])
+        session.flush()
+        submitted = waiting.job.created_at
+        assert waiting.job.queue == queue
+        session.execute(sa.update(Job).where(Job.id == judged.job.id).values(
+            state=JobState.judging, judging_at=submitted, verdict_queue="supportmatrix.verdict.gone"))  # fmt: skip
+        session.commit()
+
+        def states() -> dict[int, JobState]:
+            rows = session.execute(sa.select(Job.id, Job.state).execution_options(populate_existing=True))
+            return dict(rows.tuples().all())
+
+        after_grace = reconcile(session, cpu, now=submitted + dt.timedelta(seconds=cpu.queue_grace_s + 1))
+        session.commit()
+        assert after_grace.no_worker == []
+        assert {r.job_id for r in after_grace.resend} == {waiting.job.id, judged.job.id}  # re-sent, not ended
+        late = cpu.no_worker_after_s - cpu.queue_grace_s - 1  # its last re-send, a grace before the last pass
+        almost = reconcile(session, cpu, now=submitted + dt.timedelta(seconds=late))
+        session.commit()
+        assert almost.no_worker == [] and len(almost.resend) == 2
+        assert states() == {waiting.job.id: JobState.queued, judged.job.id: JobState.judging}
+        assert session.scalar(sa.select(sa.func.count()).select_from(Result)) == 0
+
+        past = reconcile(session, cpu, now=submitted + dt.timedelta(seconds=cpu.no_worker_after_s + 1))
+        session.commit()
+        assert sorted(past.no_worker) == sorted([waiting.job.id, judged.job.id])
+        assert states() == {waiting.job.id: JobState.failed, judged.job.id: JobState.failed}
+        ended = session.execute(sa.select(Result.job_id, Result.error_class)).tuples().all()
+        assert sorted(ended) == sorted([(waiting.job.id, ErrorClass.no_worker), (judged.job.id, ErrorClass.no_worker)])

@@ -32,17 +32,20 @@ import psutil
 import pytest
 import sqlalchemy as sa
 import yaml
+from sqlalchemy.orm import Session
 
 from shared.contracts.enums import ACTIVE_STATES, JobState, Stage
+from shared.contracts.run import CORE_SIZES, RuntimeInfo
 from shared.db.models import Job, Worker, utcnow
-from shared.hub.sizing import CORE_SIZES
+from shared.hub.client import ResolvedModel
+from shared.jobs import submission
 from shared.jobs.attempts import attempts
 from shared.jobs.dispatch import commit_and_enqueue
-from shared.jobs.queues import job_queue, verdict_queue
+from shared.jobs.queues import compiler_queues_like, job_queue, verdict_queue
 from shared.jobs.submission import Request, submit_model
 from shared.settings import Settings
 from tests import test_faults
-from tests.conftest import ROOT, RUN_DIR
+from tests.conftest import ROOT, RUN_DIR, fresh_database
 from tests.test_faults import ORG, RECLAIM_S, RUN_S, STARTUP_S, Proc, Stack, assert_ended_once, gone, stop_all
 from tests.test_stages import frozen
 
@@ -451,9 +454,17 @@ def test_the_static_fleet_is_one_launcher_per_trn2_node() -> None:
     assert host["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
 
 
+def waiting_triggers() -> dict[int, dict[str, str]]:
+    """The ScaledObject's waiting-jobs triggers' metadata, by job size."""
+    [scaled] = of_kind("trn2-autoscaled", "ScaledObject").values()
+    named = {t["name"]: t for t in scaled["spec"]["triggers"]}
+    return {size: named[f"waiting-c{size}"]["metadata"] for size in CORE_SIZES if f"waiting-c{size}" in named}
+
+
 def test_keda_scales_the_trn2_launchers_from_zero_on_the_queues_they_serve() -> None:
-    """One redis trigger per job size on the queue of the neuron image's compiler, a node's worth of jobs per pod;
-    the busy-hosts trigger keeps every pod with a job in SQL; the Deployment leaves its count to KEDA."""
+    """One trigger per job size counting the queued jobs of the queues of every stack on the neuron image's compiler,
+    a node's worth of jobs per pod; the busy-hosts trigger keeps every pod with a job in SQL; the Deployment leaves its
+    count to KEDA."""
     host = launcher("trn2-autoscaled")
     [scaled] = of_kind("trn2-autoscaled", "ScaledObject").values()
     spec = scaled["spec"]
@@ -461,17 +472,69 @@ def test_keda_scales_the_trn2_launchers_from_zero_on_the_queues_they_serve() -> 
     assert spec["minReplicaCount"] == 0 and spec["maxReplicaCount"] >= 1
     assert "replicas" not in host["spec"]
     [compiler] = re.findall(r"^neuronx-cc==(\S+)$", (ROOT / "constraints" / "neuron.txt").read_text(), re.M)
-    redis = {t["metadata"]["listName"]: t["metadata"]["listLength"] for t in spec["triggers"] if t["type"] == "redis"}
-    assert redis == {job_queue("neuron", compiler, size): str(HOST_CORES // size) for size in CORE_SIZES}
-    [busy] = [t for t in spec["triggers"] if t["type"] == "postgresql"]
+    waiting = waiting_triggers()
+    assert sorted(waiting) == sorted(CORE_SIZES)
+    for size, metadata in waiting.items():
+        pattern = compiler_queues_like("neuron", compiler, size)
+        assert re.findall(r"queue LIKE '([^']*)'", metadata["query"]) == [pattern]
+        assert metadata["targetQueryValue"] == str(HOST_CORES // size)
+    [busy] = [t for t in spec["triggers"] if t["name"] == "busy-hosts"]
     assert busy["metadata"]["targetQueryValue"] == "1"
+    assert {t["type"] for t in spec["triggers"]} == {"postgresql"}
     auths = of_kind("trn2-autoscaled", "TriggerAuthentication")
     for trigger in spec["triggers"]:
         parameters = {r["parameter"] for r in auths[trigger["authenticationRef"]["name"]]["spec"]["secretTargetRef"]}
-        assert parameters == ({"address", "password"} if trigger["type"] == "redis" else {"connection"})
+        assert parameters == {"connection"}
     budget = one("trn2-autoscaled", "PodDisruptionBudget", "supportmatrix-host-trn2")
     assert budget["spec"]["maxUnavailable"] == 1
     assert budget["spec"]["selector"]["matchLabels"].items() <= host["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_keda_counts_the_queued_jobs_of_every_stack_on_the_images_compiler_per_size(tmp_path: Path) -> None:
+    """The waiting-jobs triggers' queries, run on PostgreSQL: per size, the queued jobs of every stack on the image's
+    neuronx-cc (two TorchNeuron builds here), not the running ones, nor another compiler's, nor another size's."""
+    [compiler] = re.findall(r"^neuronx-cc==(\S+)$", (ROOT / "constraints" / "neuron.txt").read_text(), re.M)
+    image = RuntimeInfo(
+        backend="neuron",
+        compiler_name="neuronx-cc",
+        compiler_version=compiler,
+        library_version="5.24.0",
+        torch_version="2.13.0",
+        torch_neuronx_version="2.13.3.0.1",
+    )
+    other_build = image.model_copy(update={"torch_neuronx_version": "2.13.3.0.2"})
+    other_compiler = image.model_copy(update={"compiler_version": "2.29.0.0"})
+    planted = [(image, 16, 3), (other_build, 16, 2), (other_compiler, 16, 4), (image, 8, 1)]
+    with fresh_database("postgresql", tmp_path) as engine, Session(engine) as session:
+        for rt, cores, count in planted:
+            for i in range(count):
+                model = ResolvedModel(model_id=f"keda/{rt.stack().digest}-{cores}-{i}", sha="a" * 40, gated=False,
+                                      pipeline_tag=None)  # fmt: skip
+                submission.submit(session, model, None, [rt], cores=cores)
+        session.flush()
+        running = session.scalars(sa.select(Job).where(Job.cores == 16, Job.compiler_version == compiler)).first()
+        assert running is not None
+        running.state = JobState.running
+        session.commit()
+        counts = {size: session.scalar(sa.text(m["query"])) for size, m in waiting_triggers().items()}
+    assert counts == {1: 0, 2: 0, 4: 0, 8: 1, 16: 3 + 2 - 1}
+
+
+def test_an_underscore_of_the_compiler_version_in_a_keda_pattern_matches_only_itself(tmp_path: Path) -> None:
+    """``_`` is a LIKE wildcard: a version holding one (``safe_name`` flattens odd characters to it) is escaped, so the
+    pattern counts that version's queues on PostgreSQL and no version that differs there; the digest stays the one
+    wildcard."""
+    rt = RuntimeInfo(backend="neuron", compiler_name="neuronx-cc", compiler_version="2.28_rc1",
+                     library_version="5.24.0", torch_version="2.13.0")  # fmt: skip
+    pattern = compiler_queues_like("neuron", rt.compiler_version, 1)
+    assert pattern == "supportmatrix.jobs.neuron.2.28\\_rc1.stack-%.c1"
+    lookalike = rt.model_copy(update={"compiler_version": "2.28xrc1"})
+    with fresh_database("postgresql", tmp_path) as engine, engine.connect() as conn:
+        matches = {
+            name: conn.execute(sa.text("SELECT :queue LIKE :pattern"), {"queue": name, "pattern": pattern}).scalar()
+            for name in (job_queue("neuron", rt.stack(), 1), job_queue("neuron", lookalike.stack(), 1))
+        }
+    assert list(matches.values()) == [True, False], matches
 
 
 def test_the_dev_overlay_runs_the_cpu_backend_on_any_node_without_privileges() -> None:
@@ -489,7 +552,7 @@ def test_the_dev_overlay_runs_the_cpu_backend_on_any_node_without_privileges() -
 def busy_hosts(stack: Stack, backend: str = "cpu") -> int:
     """The ScaledObject's busy-hosts query, run on this stack's PostgreSQL for ``backend``'s queues."""
     [scaled] = of_kind("trn2-autoscaled", "ScaledObject").values()
-    [busy] = [t for t in scaled["spec"]["triggers"] if t["type"] == "postgresql"]
+    [busy] = [t for t in scaled["spec"]["triggers"] if t["name"] == "busy-hosts"]
     query = busy["metadata"]["query"].replace("supportmatrix.jobs.neuron.", f"supportmatrix.jobs.{backend}.")
     with stack.engine.connect() as conn:
         return int(conn.execute(sa.text(query)).scalar_one())

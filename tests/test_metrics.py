@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,10 @@ def test_queues_are_counted_in_sql_with_the_age_of_their_oldest_job(seeded: Any)
     samples = scrape(seeded)
     depth = values(samples, "supportmatrix_queue_depth")
     age = values(samples, "supportmatrix_queue_oldest_age_seconds")
-    key = lambda q, s: (("queue", q), ("stage", s))  # noqa: E731
+
+    def key(queue: str, stage: str) -> Labels:
+        return (("queue", queue), ("stage", stage))
+
     assert depth == {
         key("supportmatrix.jobs.cpu.v1.c1", "accelerator"): 2,
         key("supportmatrix.jobs.cpu.v1.c2", "accelerator"): 0,  # served once, empty: listed at 0
@@ -257,6 +261,96 @@ def test_redeliveries_resent_jobs_and_sweep_progress(seeded: Any) -> None:
     progress = {dict(k)["job_state"]: n for k, n in values(samples, "supportmatrix_sweep_entries").items()}
     assert progress == {"done": 1, "queued": 1, "none": 1}
     assert samples[("supportmatrix_job_timeout_seconds", ())] == 3600
+
+
+# (model, backend, compiler, version, cores, decode rate): PASS rows of the throughput cells. The neuronx-cc
+# 2.27 release ran another mix than 2.26 — org/a's fast model is gone, org/c's slow one came — and no cell got
+# slower: the mean over each version's rows (what the metric was) still drops by 62 %.
+MIX_CHANGE = [
+    ("org/a", "neuron", "neuronx-cc", "2.26.6360.0", 1, 100.0),
+    ("org/b", "neuron", "neuronx-cc", "2.26.6360.0", 1, 20.0),
+    ("org/b", "neuron", "neuronx-cc", "2.27.5334.0", 1, 20.0),
+    ("org/b", "neuron", "neuronx-cc", "2.27.5334.0", 1, 22.0),  # a rerun of the cell: the mean of both
+    ("org/b", "neuron", "neuronx-cc", "2.27.5334.0", 2, 30.0),  # the same model on 2 cores: a cell of its own
+    ("org/c", "neuron", "neuronx-cc", "2.27.5334.0", 1, 20.0),
+    # another compiler on the same backend is not a version of this one: eager is never inductor's previous
+    ("org/a", "cpu", "inductor", "inductor-2.13.0", 1, 50.0),
+    ("org/a", "cpu", "eager", "eager-2.13.0", 1, 5.0),
+]
+# Versions by their numbers: 2.10 follows 2.9 (a string comparison would put it first), and is slower; an rc
+# follows its release (the numbers compare equal, then the longer version follows), so 2.28.0rc1 is the newer.
+ORDERED = [
+    ("org/d", "neuron", "neuronx-cc", "2.9.1.0", 1, 30.0),
+    ("org/d", "neuron", "neuronx-cc", "2.10.0.0", 1, 24.0),
+    ("org/e", "neuron", "neuronx-cc", "2.28.0", 1, 20.0),
+    ("org/e", "neuron", "neuronx-cc", "2.28.0rc1", 1, 10.0),
+]
+
+
+def add_speed_rows(session: Any, rows: list[tuple[str, str, str, str, int, float]], verdict: str = "PASS") -> None:
+    """A finished job with its result for each (model, backend, compiler, version, cores, decode rate)."""
+    from shared.contracts.enums import JobState, Verdict
+    from shared.db.models import Job, Result
+
+    for model_id, backend, compiler, version, cores, rate in rows:
+        job = Job(model_id=model_id, sha="c" * 40, task="text-generation", compiler_version=version,
+                  queue=f"supportmatrix.jobs.{backend}.{version}.c{cores}", state=JobState.done, backend=backend,
+                  compiler_name=compiler, library_version="5.24.0", torch_version="2.13.0", cores=cores)  # fmt: skip
+        session.add(job)
+        session.flush()
+        session.add(Result(job_id=job.id, verdict=Verdict(verdict), cores=cores, compiler_version=version,
+                           decode_tokens_per_s=rate))  # fmt: skip
+    session.commit()
+
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def ratio_labels(model: str, cores: int, version: str, previous: str, backend: str = "neuron") -> Labels:
+    """The sorted labels of a text-generation cell's ``supportmatrix_decode_speed_ratio`` series."""
+    compiler = {"neuron": "neuronx-cc", "cpu": "inductor"}[backend]
+    labels = {"model_id": model, "task": "text-generation", "backend": backend, "compiler": compiler,
+              "cores": str(cores), "compiler_version": version, "previous_compiler_version": previous}  # fmt: skip
+    return tuple(sorted(labels.items()))
+
+
+def per_version_mean(session: Any) -> dict[str, float]:
+    """What the family the per-cell ratio replaced said: the mean decode rate over all rows of a compiler version,
+    whatever their models and cores."""
+    import sqlalchemy as sa
+
+    from shared.db.models import Result
+
+    rows = session.execute(
+        sa.select(Result.compiler_version, sa.func.avg(Result.decode_tokens_per_s))
+        .where(Result.decode_tokens_per_s.is_not(None))
+        .group_by(Result.compiler_version)
+    )
+    return {version: float(mean) for version, mean in rows}
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_decode_rates_are_per_cell_against_the_same_cells_previous_compiler_version(kind: str, tmp_path: Path) -> None:
+    """One ratio series per cell that has decode rates under two compiler versions or more, and none for a cell of
+    one version (org/a, org/c, the 2-core org/b, each compiler of the CPU backend: eager is never inductor's
+    previous). "Newest" is the newest version *with a PASS rate*: org/b's 2.28 rows all failed, so its ratio is
+    still 2.27's over 2.26's. A rerun is averaged into its cell; 2.10 follows 2.9; an rc follows its release. The
+    per-version mean of these rows (the family this replaced) drops by 62 % where no cell got slower."""
+    from sqlalchemy.orm import Session
+
+    with fresh_database(kind, tmp_path) as engine:
+        with Session(engine) as session:
+            add_speed_rows(session, MIX_CHANGE + ORDERED)
+            add_speed_rows(session, [("org/b", "neuron", "neuronx-cc", "2.28.7631.0", 1, 1.0)], verdict="FAIL")
+            per_version = per_version_mean(session)
+        samples = scrape(lambda: Session(engine))
+    assert per_version["2.27.5334.0"] == pytest.approx(0.38 * per_version["2.26.6360.0"], rel=0.01)
+    assert values(samples, "supportmatrix_decode_speed_ratio") == {
+        ratio_labels("org/b", 1, "2.27.5334.0", "2.26.6360.0"): pytest.approx(21 / 20),
+        ratio_labels("org/d", 1, "2.10.0.0", "2.9.1.0"): pytest.approx(0.8),
+        ratio_labels("org/e", 1, "2.28.0rc1", "2.28.0"): pytest.approx(0.5),
+    }
+    assert not values(samples, "supportmatrix_decode_tokens_per_second")  # no per-cell rate: nothing reads one
 
 
 @contextmanager
@@ -455,9 +549,23 @@ def test_the_dashboard_is_its_generators_output_on_the_provisioned_datasource() 
 # --- a real Prometheus ------------------------------------------------------------------------------------
 
 
+def wait_answering(url: str, proc: subprocess.Popen[bytes], log: Path, seconds: float = 60) -> None:
+    """Until ``url`` answers 200, while ``proc`` (the server behind it) lives; its log when it dies or never does."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+
+
 @contextmanager
 def running_prometheus(api_port: int, workdir: Path) -> Iterator[str]:
-    """Debian's Prometheus scraping the API every second with the repo's config and alert rules."""
+    """Debian's Prometheus scraping the API every second with the repo's config and alert rules, once it says it
+    is ready (before, its API answers nothing)."""
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     config = local_config(workdir, f"127.0.0.1:{api_port}", interval="1s")
@@ -468,7 +576,9 @@ def running_prometheus(api_port: int, workdir: Path) -> Iterator[str]:
         stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        yield f"http://127.0.0.1:{port}"
+        base = f"http://127.0.0.1:{port}"
+        wait_answering(f"{base}/-/ready", proc, workdir / "prometheus.log")
+        yield base
     finally:
         proc.terminate()
         try:
@@ -544,13 +654,31 @@ def alert_expressions() -> list[str]:
     return [rule["expr"] for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
 
 
-def assert_every_expression_returns_data(prometheus: str, timeout: float = 45) -> None:
-    """Every panel's PromQL, and every signal of every alert rule, returns at least one series from the
-    Prometheus that scraped the stack; the alert expressions themselves evaluate without error."""
+# Families a cell has only once it ran under two compiler versions: a stack that ran one job has none, so there
+# their expressions need only evaluate; a real Prometheus over cells of three versions has them return data
+# (test_a_real_prometheus_fires_on_a_cells_slowdown_and_not_on_a_changed_model_mix).
+CROSS_VERSION_FAMILIES = ("supportmatrix_decode_speed_ratio",)
+
+
+def checked_expressions() -> dict[str, str]:
+    """{query: the expression it checks} over every panel's PromQL and every signal of every alert rule; an
+    alert's own expression maps to "" (it must evaluate, and may be empty: no alert firing)."""
     checks = {expr: expr for expr in dashboard_expressions()}
     for expr in alert_expressions():
         checks |= {signal: expr for signal in signals(expr)}
-        checks.setdefault(expr, "")  # must evaluate; may be empty (no alert firing)
+        checks.setdefault(expr, "")
+    return checks
+
+
+def cross_version(query: str) -> bool:
+    return any(family in query for family in CROSS_VERSION_FAMILIES)
+
+
+def assert_every_expression_returns_data(prometheus: str, timeout: float = 45) -> None:
+    """Every panel's PromQL, and every signal of every alert rule, returns at least one series from the
+    Prometheus that scraped the stack (but those over CROSS_VERSION_FAMILIES, which one job cannot make); the
+    alert expressions themselves evaluate without error."""
+    checks = {query: "" if cross_version(query) else source for query, source in checked_expressions().items()}
     deadline = time.monotonic() + timeout
     with httpx.Client(base_url=prometheus, timeout=10) as client:
         while True:
@@ -569,3 +697,92 @@ def assert_every_expression_returns_data(prometheus: str, timeout: float = 45) -
                 health = [(t["scrapeUrl"], t["health"], t.get("lastError")) for t in targets]
                 raise AssertionError("no data for:\n" + "\n".join(empty) + f"\ntargets: {health}")
             time.sleep(1)
+
+
+@contextmanager
+def serving_api(database_url: str, workdir: Path) -> Iterator[int]:
+    """The API itself (``uvicorn services.api.main:app``) on a free port over ``database_url``, reading its SQL
+    families at each scrape (SUPPORTMATRIX_METRICS_REFRESH_S=0); yields the port once /metrics answers."""
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "SUPPORTMATRIX_DATABASE_URL": database_url, "SUPPORTMATRIX_METRICS_REFRESH_S": "0"}
+    with (workdir / "api.log").open("wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "services.api.main:app", "--host", "127.0.0.1",
+                                 "--port", str(port), "--log-level", "warning"], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        wait_answering(f"http://127.0.0.1:{port}/metrics", proc, workdir / "api.log")
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def rule_state(client: httpx.Client, alert: str) -> tuple[float, str, list[dict[str, Any]]]:
+    """When Prometheus last evaluated the rule ``alert`` (Unix time), its state, and its alerts' labels."""
+    groups = client.get("/api/v1/rules").json()["data"]["groups"]
+    [rule] = [r for g in groups for r in g["rules"] if r["name"] == alert]
+    evaluated = dt.datetime.fromisoformat(rule["lastEvaluation"].replace("Z", "+00:00")).timestamp()
+    return evaluated, rule["state"], [a["labels"] for a in rule.get("alerts", [])]
+
+
+def settled_rule(client: httpx.Client, alert: str, since: float, timeout: float = 30) -> tuple[str, list[Any]]:
+    """The rule's state and alerts at its first evaluation two seconds (two scrapes) after ``since``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        evaluated, state, alerts = rule_state(client, alert)
+        if evaluated > since + 2:
+            return state, alerts
+        assert time.monotonic() < deadline, f"{alert} not evaluated since {since}"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_a_real_prometheus_fires_on_a_cells_slowdown_and_not_on_a_changed_model_mix(tmp_path: Path) -> None:
+    """Debian's Prometheus, with the repo's config and rules, scrapes the API's /metrics (the app itself, under
+    uvicorn) over a database whose neuronx-cc 2.27 ran another model mix than 2.26 (its mean over rows 62 %
+    lower, no cell slower): the cells'
+    ratios are there — every dashboard and alert expression over them returns data — and
+    SupportmatrixCellDecodeSlower stays inactive. Then 2.28 halves one cell's rate and keeps another's: the alert
+    fires for that cell alone, naming both versions."""
+    from sqlalchemy.orm import Session
+
+    alert = "SupportmatrixCellDecodeSlower"
+    with fresh_database("postgresql", tmp_path) as engine, ExitStack() as stack:
+        with Session(engine) as session:
+            add_speed_rows(session, MIX_CHANGE)
+            per_version = per_version_mean(session)
+        # what the per-version mean over these rows (the family the ratio replaced) says: 62 % slower
+        assert per_version["2.27.5334.0"] < 0.85 * per_version["2.26.6360.0"]
+        api_port = stack.enter_context(serving_api(engine.url.render_as_string(hide_password=False), tmp_path / "api"))
+        prometheus = stack.enter_context(running_prometheus(api_port, tmp_path / "prometheus"))
+        client = stack.enter_context(httpx.Client(base_url=prometheus, timeout=10))
+        queries = [q for q in checked_expressions() if cross_version(q)]
+        assert len(queries) >= 3  # the alert, its signal, the dashboard's table
+        deadline = time.monotonic() + 60
+        while True:
+            answers = {q: client.get("/api/v1/query", params={"query": q}).json() for q in queries}
+            assert all(a["status"] == "success" for a in answers.values()), answers
+            if all(a["data"]["result"] for q, a in answers.items() if checked_expressions()[q]):
+                break
+            assert time.monotonic() < deadline, f"no data from {prometheus}: {answers}"
+            time.sleep(0.5)
+        assert settled_rule(client, alert, time.time()) == ("inactive", [])
+
+        with Session(engine) as session:
+            add_speed_rows(session, [("org/b", "neuron", "neuronx-cc", "2.28.7631.0", 1, 10.5),
+                                     ("org/c", "neuron", "neuronx-cc", "2.28.7631.0", 1, 20.0)])  # fmt: skip
+        deadline = time.monotonic() + 60
+        while (state := settled_rule(client, alert, time.time()))[0] != "firing":
+            assert time.monotonic() < deadline, state
+        [labels] = state[1]
+        assert labels == {
+            "alertname": alert, "severity": "ticket", "job": "supportmatrix-api",
+            "instance": f"127.0.0.1:{api_port}", "model_id": "org/b", "task": "text-generation",
+            "backend": "neuron", "compiler": "neuronx-cc", "cores": "1", "compiler_version": "2.28.7631.0",
+            "previous_compiler_version": "2.27.5334.0",
+        }  # fmt: skip

@@ -123,19 +123,24 @@ def test_a_views_page_and_its_next_read_only_the_views_jobs(big: Big, client: Te
 
 
 def test_an_export_files_runs_are_read_by_their_key(big: Big) -> None:
-    """What the export reads for one (compiler version, library, library version) file — the statement
-    ``key_cells`` sends, which the columnar reader sends with its values inline — for a compiler version that ran
-    under two library versions."""
+    """What the export reads for one stack's file (compiler, torch, TorchNeuron, runtime and library versions) — the
+    statement ``key_cells`` sends, which the columnar reader sends with its values inline — for a compiler version
+    that ran on two stacks (two library versions, each with its torch)."""
     h = big.history
     round_ = next(
         k
         for k in range(1, h.rounds)
         if h.compiler(k) == h.compiler(k - 1) and h.library_version(k) != h.library_version(k - 1)
     )
-    key = ExportKey(h.compiler(round_), "transformers", h.library_version(round_))
+    key = ExportKey.of(h.stack(round_))
+    assert key.stack.torch_version != h.torch_version(round_ - 1)  # the other stack on this compiler is another file
     with issued(big.engine) as statements, Session(big.engine) as session:
         cells = key_cells(session, key)
-    assert cells and {(c.neuronx_cc, c.library_version) for c in cells} == {(key.compiler_version, key.library_version)}
+    stacks = {(c.neuronx_cc, c.library_version, c.torch_version, c.torch_neuronx_version, c.neuron_runtime_version)
+              for c in cells}  # fmt: skip
+    assert cells and stacks == {
+        (key.stack.compiler_version, key.stack.library_version, key.stack.torch_version, "", "")
+    }
     assert_read_through_indexes(big.engine, statements)
 
 

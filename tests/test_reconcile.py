@@ -10,10 +10,10 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import ErrorClass, JobState, Stage, SweepState
-from shared.contracts.run import RuntimeInfo
+from shared.contracts.run import RuntimeInfo, Stack
 from shared.db.models import Job, Result, Sweep, utcnow
 from shared.hub.client import ResolvedModel
-from shared.jobs.queues import Deliveries
+from shared.jobs.queues import Deliveries, job_queue
 from shared.jobs.reconcile import Resend, claim_sweep, mark_queue_live, reconcile
 from shared.jobs.submission import submit
 from shared.settings import Settings
@@ -40,7 +40,7 @@ def ago(seconds: float) -> dt.datetime:
 
 
 def test_lost_messages_are_sent_again_and_live_work_is_left_alone(session: Session, settings: Settings) -> None:
-    queue = "supportmatrix.jobs.cpu.c-1.c1"
+    queue = job_queue("cpu", RUNTIME.stack(), 1)
     mark_queue_live(session, queue)
     mark_queue_live(session, "supportmatrix.verdict.h")
     waiting = job(session, "waiting", age_s=120)  # queued past the grace: its message may be lost
@@ -64,7 +64,7 @@ def test_lost_messages_are_sent_again_and_live_work_is_left_alone(session: Sessi
 
 
 def test_a_job_whose_message_the_broker_still_holds_is_not_sent_again(session: Session, settings: Settings) -> None:
-    queue, verdicts = "supportmatrix.jobs.cpu.c-1.c1", "supportmatrix.verdict.h"
+    queue, verdicts = job_queue("cpu", RUNTIME.stack(), 1), "supportmatrix.verdict.h"
     mark_queue_live(session, queue)
     mark_queue_live(session, verdicts)
     behind = job(session, "behind", age_s=120)  # waits behind a busy worker: its message is in the queue
@@ -90,12 +90,13 @@ def test_a_job_whose_message_the_broker_still_holds_is_not_sent_again(session: S
 
 def test_jobs_of_a_queue_nobody_serves_end_no_worker_once(session: Session, settings: Settings) -> None:
     orphan = job(session, "orphan", age_s=700)  # its queue never had a live worker
+    gone, ok = (job_queue("cpu", Stack(compiler_version=c, library_version="5"), 1) for c in ("gone", "ok"))
     served_once = job(session, "served-once", age_s=700)
-    session.execute(sa.update(Job).where(Job.id == served_once.id).values(queue="supportmatrix.jobs.cpu.gone.c1"))
-    mark_queue_live(session, "supportmatrix.jobs.cpu.gone.c1", now=ago(650))
+    session.execute(sa.update(Job).where(Job.id == served_once.id).values(queue=gone))
+    mark_queue_live(session, gone, now=ago(650))
     recently_served = job(session, "recent", age_s=700)
-    session.execute(sa.update(Job).where(Job.id == recently_served.id).values(queue="supportmatrix.jobs.cpu.ok.c1"))
-    mark_queue_live(session, "supportmatrix.jobs.cpu.ok.c1", now=ago(100))
+    session.execute(sa.update(Job).where(Job.id == recently_served.id).values(queue=ok))
+    mark_queue_live(session, ok, now=ago(100))
     found = reconcile(session, settings)
     session.commit()
     assert sorted(found.no_worker) == sorted([orphan.id, served_once.id])

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import json
 import re
+import sys
 from enum import StrEnum
 from typing import Any
 
@@ -27,15 +29,19 @@ from shared.results.records import (
     FROM_JOB,
     RENAMED_RESULT_COLUMNS,
     RESULT_SCHEMA,
+    SCHEMA_VERSION,
     RecordHead,
     ResultRecord,
     query_results,
     to_parquet_bytes,
 )
+from shared.results.type_stubs import STUBS
 from shared.settings import Settings
 from tests.conftest import ROOT
 from tests.history import report_of
 
+PINNED_SCHEMA = ROOT / "tests" / "data" / "record_schema.json"
+PIN = "python -m tests.test_records"
 ROW = [f.name for f in row_fields()]
 SQL_ONLY = {f.name for f in row_fields() if shape_of(f.info).sql_only}
 REPEATED = {"compiler_version"}  # the row repeats the job's, which the record publishes as neuronx_cc
@@ -84,6 +90,13 @@ def test_the_sql_columns_the_record_and_parquet_are_the_parts_fields() -> None:
     assert list(schema) == list(ResultRecord.model_fields)
 
 
+def test_the_type_stubs_match_the_classes_built_at_run_time() -> None:
+    """The row's columns and the record are built from the parts when imported; a type checker reads their fields
+    in checked-in stubs, which must say what the classes are now."""
+    stale = [str(path.relative_to(ROOT)) for path, render in STUBS.items() if path.read_text() != render()]
+    assert stale == [], f"{stale} differ from the fields: run python -m shared.results.type_stubs"
+
+
 def _sample(name: str, shape: FieldShape) -> Any:
     """A value of this shape that no other field gets: a field read from the wrong column shows."""
     n = ROW.index(name) + 3
@@ -127,3 +140,31 @@ def test_every_field_goes_through_sql_the_record_and_parquet_unchanged(session: 
         | {"finished_at": record.finished_at.astimezone(dt.UTC)}
     ]
     assert row.error_class in ErrorClass  # enums stay enums in SQL
+
+
+def published_columns() -> list[list[str]]:
+    """The published record's columns, each its name and Parquet type: what a dataset reader depends on."""
+    return [[field.name, str(field.type)] for field in RESULT_SCHEMA]
+
+
+def test_a_change_of_the_published_columns_raises_the_schema_version() -> None:
+    """A new row field is one edit (its part in shared/contracts/report.py) and a migration — and the published
+    schema's version: the columns as they were at ``SCHEMA_VERSION`` are pinned in tests/data/record_schema.json, and
+    a column added, removed, renamed or retyped under the same version fails here."""
+    pinned = json.loads(PINNED_SCHEMA.read_text())
+    assert pinned["schema_version"] == SCHEMA_VERSION, (
+        f"SCHEMA_VERSION is {SCHEMA_VERSION}, the pinned columns are version {pinned['schema_version']}'s: pin them "
+        f"anew ({PIN})"
+    )
+    now, then = published_columns(), pinned["columns"]
+    changed = [c for c in now if c not in then] + [c for c in then if c not in now]
+    assert now == then, (
+        f"the published columns changed under SCHEMA_VERSION {SCHEMA_VERSION} ({changed[:6]}; or their order): raise "
+        f"it in shared/results/records.py, say why beside it, and run {PIN}"
+    )
+
+
+if __name__ == "__main__":  # pin the published columns at the current SCHEMA_VERSION
+    columns = ",\n".join(json.dumps(column) for column in published_columns())  # a column a line: a diff reads
+    PINNED_SCHEMA.write_text(f'{{"schema_version": {SCHEMA_VERSION}, "columns": [\n{columns}\n]}}\n')
+    print(f"{PINNED_SCHEMA}: {len(published_columns())} columns at schema version {SCHEMA_VERSION}", file=sys.stderr)

@@ -6,9 +6,15 @@ and stores the one a verdict stage computed; the runner itself never opens the d
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
-from shared.db.engine import new_session
+from services.runner.faults import LATE_STEP
+from shared.contracts.enums import LongOutcome
+from shared.contracts.handoffs import AcceleratorData, StoredReference
+from shared.contracts.report import Placement, Timings
+from shared.db.engine import new_session, session_scope
+from shared.db.models import ReferenceRun
 from shared.results import references
 from tests.conftest import wait_for_job
 from tests.test_pipeline import FINISHED, result_rows, submit
@@ -34,3 +40,138 @@ def test_m_models_times_k_compilers_run_m_references(api: Any, worker: Any, star
         assert sorted(r["reference_reused"] for r in rows) == [False, True]
         assert all(r["generated_token_ids"] == r["reference_token_ids"] and r["reference_text"] for r in rows)
         assert all(r["prefill_rel_error"] < 1e-3 for r in rows)
+
+
+TIERS_ON = {"SUPPORTMATRIX_LONG_GENERATION": "true"}
+
+
+def test_a_second_compiler_version_reusing_the_reference_still_checks_its_long_generation(
+    api: Any, verdict_worker: Any, start_worker: Any
+) -> None:
+    """A stored reference carries its long generation. A late fault planted in a first compiler version (a cache
+    corrupted from 100 tokens on: its 32 tokens are the reference's) is caught by the reference it computes, which
+    stores its own long generation; a second compiler version of the model, tiers on, then reuses that reference (its
+    32 and long tokens are the stored ones) and gets its long-generation outcome from it, without running the model.
+    Compilers no other worker serves, so that the tiers are on for both."""
+    model = "refs/tiny-llama"  # no other test submits it
+    faulted, clean = "aot_eager_decomp_partition-2.13.0+cpu", "eager-2.13.0+cpu"
+    start_worker("w-refs-long-a", SUPPORTMATRIX_CPU_COMPILE_BACKEND="aot_eager_decomp_partition",
+                 SUPPORTMATRIX_CPU_FAULT="late_corruption", **TIERS_ON)  # fmt: skip
+    start_worker("w-refs-long-b", SUPPORTMATRIX_CPU_COMPILE_BACKEND="eager", **TIERS_ON)
+    for compiler in (faulted, clean):  # one after the other: the second's verdict stage finds the first's reference
+        [job] = submit(api, model, compilers=[compiler])
+        assert wait_for_job(api, job["id"], FINISHED, timeout=300)["state"] == "done"
+    with new_session() as session:
+        assert references.count(session, model) == 1
+        [(stored, _)] = [references.load(session, r.key) for r in session.query(ReferenceRun).filter_by(model_id=model)]
+    assert stored is not None and len(stored.data["long_token_ids"]) == len(stored.data["long_logprobs"]) > 200
+    rows = {r["neuronx_cc"]: r for r in result_rows(api, model_id=model)}
+    assert len(rows) == 2 and [rows[c]["result"] for c in (faulted, clean)] == ["PASS", "PASS"]
+    # the fault's long tokens are not the reference's: the reference that ran says what happened
+    assert rows[faulted]["reference_reused"] is False
+    assert rows[faulted]["long_generation"] in (LongOutcome.collapsed, LongOutcome.diverged), rows[faulted]
+    assert rows[faulted]["long_first_divergence"] >= LATE_STEP
+    # the clean run's long tokens are the stored ones: reused, and decided as a fresh reference decides them
+    assert rows[clean]["reference_reused"] is True, rows[clean]
+    assert rows[clean]["long_generation"] == LongOutcome.ok and rows[clean]["long_first_divergence"] is None
+
+
+def test_a_stored_reference_decides_the_long_generation_as_a_fresh_one_and_asks_for_the_model_when_it_cannot() -> None:
+    """``TextGeneration.reuse`` alone: the same 32 and long tokens get the stored long log-probs (the accelerator's
+    tokens are the reference's own); other long tokens, or a reference stored without its long generation (the tiers
+    off), need the model; with the tiers off the long data is not needed."""
+    from services.runner.tasks.text_generation import TextGeneration
+
+    tokens, long = list(range(32)), list(range(256))
+    stored = {"token_ids": tokens, "reference_loglik": -2.0, "long_token_ids": long, "long_logprobs": [-1.5] * 256}
+    placement = Placement()
+    acc = AcceleratorData(token_ids=tokens, long_token_ids=long, long_finite=True, finite=True, placement=placement,
+                          timings=Timings())  # fmt: skip
+    found = TextGeneration().reuse(acc, stored)
+    assert found is not None and found.reused and found.long_logprobs == [-1.5] * 256
+    assert found.accelerator_loglik == -2.0
+    late = acc.model_copy(update={"long_token_ids": [*long[:100], *range(1000, 1156)]})
+    assert TextGeneration().reuse(late, stored) is None
+    tiers_off = {k: v for k, v in stored.items() if not k.startswith("long_")}
+    assert TextGeneration().reuse(acc, tiers_off) is None
+    no_long = TextGeneration().reuse(acc.model_copy(update={"long_token_ids": None}), tiers_off)
+    assert no_long is not None and no_long.long_logprobs is None
+
+
+def test_a_stored_moe_reference_is_reused_only_with_its_router_logits() -> None:
+    """A MoE's accelerator routing is compared with the stored reference's: one stored by an older runner (its
+    margins, no router logits) cannot give a flip its margin, so the model runs again; one with them gives the
+    flips, each at the gap between the experts that swapped. A flip in the prompt may have moved the prefill, which
+    only the counterfactual (the model made to choose the accelerator's experts) can excuse: the model runs again."""
+    from services.runner.tasks.text_generation import TextGeneration
+    from shared.contracts.handoffs import Routing
+
+    tokens = list(range(32))
+    experts = [[[0, 1]]] * 2  # two positions, one layer, top-2
+    old = {"experts": experts, "margins": [[0.5]] * 2, "prompt_positions": 2}
+    stored = {"token_ids": tokens, "reference_loglik": -2.0, "routing": old}
+    acc = AcceleratorData(token_ids=tokens, finite=True, placement=Placement(), timings=Timings(),
+                          routing=Routing(experts=[[[0, 1]], [[0, 2]]], prompt_positions=2))  # fmt: skip
+    assert TextGeneration().reuse(acc, stored) is None
+    top = {"top_logits": [[[2.0, 1.0, 0.99, 0.1]]] * 2, "top_experts": [[[0, 1, 2, 3]]] * 2}
+    found = TextGeneration().reuse(acc, stored | {"routing": old | top})
+    assert found is None  # the flip is at the prompt's last position (step 0)
+    generated = {"prompt_positions": 1}  # the same flip one position later: step 1, after the prefill
+    acc = acc.model_copy(update={"routing": acc.routing.model_copy(update=generated)})
+    found = TextGeneration().reuse(acc, stored | {"routing": old | top | generated})
+    assert found is not None and found.routing_flips is not None and len(found.routing_flips) == 1
+    assert found.routing_flips[0].step == 1 and abs(found.routing_flips[0].margin - 0.01) < 1e-9
+
+
+def test_a_reference_stored_with_the_tiers_off_takes_the_long_generation_of_the_next_one() -> None:
+    """The first reference of a model stored without its long generation is completed by the one a later run with
+    the tiers on computes; a concurrent equal one changes nothing."""
+    key = f"refs-upgrade-{uuid.uuid4().hex}"[:64]
+    base = StoredReference(key=key, model_id="refs-upgrade/m", sha="s" * 40, task="text-generation", dtype="float32",
+                           library_version="5.24.0", torch_version="2.13.0",
+                           data={"token_ids": [1, 2], "reference_loglik": -1.0})  # fmt: skip
+    longer = base.model_copy(update={"data": {**base.data, "long_token_ids": [3, 4], "long_logprobs": [-0.5, -0.7]}})
+    with session_scope() as session:
+        references.store(session, base, None)
+    with session_scope() as session:
+        references.store(session, longer, None)
+    with session_scope() as session:
+        references.store(session, base, None)  # the tiers off again: what it lacks stays
+    with new_session() as session:
+        found = references.load(session, key)
+    assert found is not None and found[0].data == longer.data
+
+
+def test_a_stored_reference_is_completed_only_by_the_same_run_and_keeps_what_it_holds() -> None:
+    """Another run's reference (other tokens, or other long tokens) changes nothing of a stored one: its data would not
+    describe the stored prefill logits. The same run's adds only the keys the stored one lacks."""
+    key = f"refs-merge-{uuid.uuid4().hex}"[:64]
+    base = StoredReference(key=key, model_id="refs-merge/m", sha="s" * 40, task="text-generation", dtype="float32",
+                           library_version="5.24.0", torch_version="2.13.0",
+                           data={"token_ids": [1, 2], "reference_loglik": -1.0, "long_token_ids": [3, 4],
+                                 "long_logprobs": [-0.5, -0.7]})  # fmt: skip
+    other_tokens = base.model_copy(update={"data": {"token_ids": [1, 9], "reference_loglik": -3.0, "routing": {}}})
+    other_long = base.model_copy(update={"data": {**base.data, "long_token_ids": [3, 8], "routing": {"x": 1}}})
+    same = base.model_copy(update={"data": {**base.data, "reference_loglik": -1.5, "routing": {"x": 2}}})
+    with session_scope() as session:
+        references.store(session, base, b"prefill")
+    for other in (other_tokens, other_long):
+        with session_scope() as session:
+            references.store(session, other, None)
+        with new_session() as session:
+            found = references.load(session, key)
+        assert found is not None and found[0].data == base.data and found[1] == b"prefill"
+    with session_scope() as session:
+        references.store(session, same, None)
+    with new_session() as session:
+        found = references.load(session, key)
+    assert found is not None and found[0].data == {**base.data, "routing": {"x": 2}}  # its own log-lik stays
+
+
+def test_two_references_are_the_same_run_when_their_tokens_and_long_tokens_agree() -> None:
+    stored = {"token_ids": [1, 2], "long_token_ids": [3, 4]}
+    assert references.same_run(stored, {"token_ids": [1, 2]})  # no long generation: the 32 tokens decide
+    assert references.same_run(stored, {"token_ids": [1, 2], "long_token_ids": [3, 4]})
+    assert not references.same_run(stored, {"token_ids": [1, 2], "long_token_ids": [3, 5]})
+    assert not references.same_run(stored, {"token_ids": [1, 3], "long_token_ids": [3, 4]})
+    assert references.same_run({"token_ids": [1, 2]}, stored)

@@ -204,27 +204,169 @@ def test_the_compile_has_a_budget_of_its_own_and_a_timeout_names_its_phase(tiny_
     )
 
 
-def test_each_divergent_steps_router_margin_is_read_at_the_position_that_chose_its_token(tiny_models: Path) -> None:
-    """The routing part of the verdict's rule reads, for each divergent step, the reference's router margin at the
-    position whose logits chose that token (the prompt's last, then each token's): one forward over the prompt and
-    the tokens gives them all, the same numbers as each prefix's own last position; a dense model has none."""
+def test_the_routing_recorder_keeps_each_forwards_experts_and_the_flips_read_the_experts_that_swapped() -> None:
+    """On a 2-layer, 4-expert Mixtral built in memory (top-2; the reference keeps its top 4 router logits): the same
+    model recorded twice flips nothing; layer 1's router negated in one run flips only layer 1 (layer 0 reads
+    nothing it changed), each flip's margin the reference's logit of the expert dropped minus the one added, the
+    largest such gap; a router that did not run is kept as no expert (-1), which no margin excuses; every call's
+    choices are its own, copied out of the router's tensors (a backend reusing its buffers changes none of them).
+    The counterfactual's forcer makes the unchanged model choose another run's experts."""
+    import math
+
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import MixtralConfig, MixtralForCausalLM
 
-    from services.runner.tasks.text_generation import router_margins, routing_margin, step_routing_margins
-    from shared.testconfig import PROMPT
+    from services.runner.routing import RoutingForcer, RoutingRecorder
+    from shared.results.verdict import routing_flips
 
-    moe = tiny_models / "tiny-qwen3-moe"
-    tokenizer = AutoTokenizer.from_pretrained(moe)
-    model = AutoModelForCausalLM.from_pretrained(moe).eval()
-    inputs = tokenizer(PROMPT, return_tensors="pt")
-    tokens = [5, 17, 42, 99]
-    margins = step_routing_margins(model, inputs, tokens)
-    assert margins is not None and len(margins) == len(tokens)
-    for step in range(len(tokens)):
-        prefix = torch.cat([inputs["input_ids"], torch.tensor([tokens[:step]], dtype=torch.long)], dim=1)
-        own = router_margins(model, prefix)
-        assert own is not None and abs(own[-1] - margins[step]) < 1e-4  # causal: the prefix alone gives the same
-    assert routing_margin(model, inputs) == pytest.approx(min(router_margins(model, inputs["input_ids"]) or [0]))
-    dense = AutoModelForCausalLM.from_pretrained(tiny_models / "tiny-llama").eval()
-    assert step_routing_margins(dense, inputs, tokens) is None
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                           num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
+    model = MixtralForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 9))
+
+    def recorded(top: bool = False, calls: int = 1) -> Any:
+        recorder = RoutingRecorder(model, top=top)
+        assert len(recorder.routers) == 2 and recorder.unordered is None
+        forward = recorder.wrap(model.forward)
+        recorder.recording = True
+        with torch.inference_mode():
+            for _ in range(calls):
+                forward(input_ids=ids)
+        recorder.remove()
+        return recorder, recorder.routing(prompt_positions=ids.shape[1])
+
+    _, ours = recorded()
+    _, reference = recorded(top=True)
+    assert len(ours.experts) == 9 and len(ours.experts[0]) == 2 and len(reference.top_logits[0][1]) == 4
+    assert routing_flips(ours, reference) == []
+    recorder, twice = recorded(calls=2)
+    chosen = [router.chosen_experts for router in recorder.routers]
+    assert twice.experts == ours.experts * 2
+    with torch.inference_mode():  # a reused output buffer, overwritten by the next forward: the record has its copy
+        for tensor in chosen:
+            tensor.fill_(3)
+    assert recorder.routing(prompt_positions=9).experts == twice.experts
+
+    gate = model.model.layers[1].mlp.gate
+    logits: dict[str, Any] = {}
+
+    def keep(module: Any, args: Any, output: Any) -> None:
+        logits["layer 1"] = output[0].detach().clone()
+
+    hook = gate.register_forward_hook(keep)
+    with torch.no_grad():
+        gate.weight.neg_()
+    _, flipped = recorded()
+    with torch.no_grad():
+        gate.weight.neg_()
+    hook.remove()
+    flips = routing_flips(flipped, reference)
+    assert flips and {f.layer for f in flips} == {1} and len(flips) <= 9
+    negated = -logits["layer 1"]  # the reference's router logits at layer 1 (the hook saw the negated run's)
+    for f in flips:
+        position = f.step + 8
+        dropped = set(reference.experts[position][1]) - set(flipped.experts[position][1])
+        added = set(flipped.experts[position][1]) - set(reference.experts[position][1])
+        gaps = [float(negated[position, d] - negated[position, a]) for d in dropped for a in added]
+        assert math.isclose(f.margin, max(gaps), rel_tol=1e-5, abs_tol=1e-5)
+
+    # the counterfactual: the unchanged model made to choose the negated run's experts chooses them, position by
+    # position over two forwards (a prefill, then one more position); made to choose its own, it computes what it did
+    forcer = RoutingForcer(model, flipped.model_copy(update={"experts": flipped.experts + flipped.experts[:1]}))
+    recorder = RoutingRecorder(model)  # after the forcer's hooks: it records what the forced routers chose
+    recorder.recording = True
+    forward = recorder.wrap(model.forward)
+    with torch.inference_mode():
+        forward(input_ids=ids)
+        forward(input_ids=ids[:, :1])
+    forcer.remove()
+    recorder.remove()
+    assert forcer.forceable and recorder.routing(prompt_positions=9).experts == forcer.routing.experts
+    with torch.inference_mode():
+        plain = model(input_ids=ids).logits
+        forcer = RoutingForcer(model, ours)
+        same = model(input_ids=ids).logits
+        forcer.remove()
+    assert torch.equal(plain, same)
+    # a router whose weights are not its logits' softmax over the chosen experts (scaled here, as per-expert scales or
+    # sparsemixer weigh them), or forwards that route other positions than recorded: no counterfactual
+    gate = model.model.layers[0].mlp.gate
+    router_forward = gate.forward
+    gate.forward = lambda hidden: (lambda out: (out[0], out[1] * 0.5, out[2]))(router_forward(hidden))
+    try:
+        with torch.inference_mode():
+            forcer = RoutingForcer(model, ours)
+            model(input_ids=ids)
+            forcer.remove()
+    finally:
+        del gate.forward
+    assert not forcer.forceable and not forcer.covered
+    with torch.inference_mode():
+        forcer = RoutingForcer(model, ours)
+        model(input_ids=ids[:, :5])  # 5 of the 9 recorded positions
+        forcer.remove()
+    assert forcer.forceable and not forcer.covered
+
+    mlp = model.model.layers[1].mlp
+    mlp.forward = lambda hidden_states: torch.zeros_like(hidden_states)  # layer 1's router does not run
+    try:
+        _, skipped = recorded()
+    finally:
+        del mlp.forward
+    assert all(layers[1] == [-1, -1] for layers in skipped.experts)
+    flips = routing_flips(skipped, reference)
+    assert flips and all(f.layer == 1 and f.margin is None for f in flips) and len(flips) == 9
+
+
+def test_a_router_that_does_not_choose_by_raw_logit_order_gets_no_routing_record() -> None:
+    """DeepSeek-V3's router adds a correction bias to sigmoid scores and picks expert groups first: a gap of its raw
+    logits says nothing of how close its choice was, so it gets no recorder (and so no excuse), and the reason says
+    why. Config-level signs alone (groups, a sigmoid score) are read too."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from services.runner.routing import RoutingRecorder, unordered_routing
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(vocab_size=64, hidden_size=16, intermediate_size=16, moe_intermediate_size=8,
+                              num_hidden_layers=2, first_k_dense_replace=0, num_attention_heads=2,
+                              num_key_value_heads=2, n_routed_experts=8, n_group=2, topk_group=1,
+                              num_experts_per_tok=2, q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4,
+                              qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=64)  # fmt: skip
+    recorder = RoutingRecorder(DeepseekV3ForCausalLM(config).eval())
+    assert recorder.routers == [] and recorder.hooks == [] and "correction bias" in (recorder.unordered or "")
+    assert recorder.wrap(len) is len  # the forward is left as it is
+    assert "groups" in (unordered_routing(SimpleNamespace(config=SimpleNamespace(n_group=8)), [object()]) or "")
+    scored = SimpleNamespace(config=SimpleNamespace(scoring_func="sigmoid"))
+    assert "sigmoid" in (unordered_routing(scored, [object()]) or "")
+    assert unordered_routing(SimpleNamespace(config=SimpleNamespace(n_group=1)), [object()]) is None
+
+
+def test_the_neuron_backend_gives_torchneuron_a_private_work_directory_when_the_worker_gave_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reproduce command or a local run has no TORCH_NEURONX_DEBUG_DIR from the worker: the neuron backend's
+    accelerator environment names a fresh directory of the run's own under its TMPDIR, 0700 and its user's, a
+    new one per run — never TorchNeuron's shared /tmp/neuron_backend. One the worker set is kept as it is. (The
+    choice only: torch_neuronx is not imported.)"""
+    from services.runner.backends.neuron import DEBUG_DIR, NeuronBackend
+    from shared.settings import Settings
+
+    backend = NeuronBackend(Settings(data_dir=tmp_path / "data"))
+    monkeypatch.delenv(DEBUG_DIR, raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    first, second = (Path(backend.accelerator_env()[DEBUG_DIR]) for _ in range(2))
+    assert first != second and first.parent == second.parent == tmp_path
+    for made in (first, second):
+        held = made.lstat()
+        assert made.is_dir() and held.st_mode & 0o777 == 0o700 and held.st_uid == os.geteuid()
+        assert made.name.startswith("neuron_backend-") and list(made.iterdir()) == []
+    assert "torch_neuronx" not in sys.modules
+    given = tmp_path / "work-accelerator" / "neuron_backend"
+    monkeypatch.setenv(DEBUG_DIR, str(given))
+    # the ranks get the runner's own environment with the backend's on top (as the accelerator stage builds it)
+    assert inherited_environment(backend.accelerator_env())[DEBUG_DIR] == str(given) and not given.exists()

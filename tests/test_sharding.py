@@ -55,6 +55,15 @@ def test_sharded_runs_pass(tiny_models: Path, model: str, cores: int, parallelis
         assert report.long.long_generation == "ok", report.long.long_reason
     if model.endswith("moe") or model.endswith("mixtral"):
         assert report.comparison.routing_margin is not None and report.comparison.routing_margin >= 0
+        # every rank recorded the experts the compiled run chose (the routers are replicated under EP), within the
+        # two graphs asserted above, and they agreed: rank 0's routing was compared with the reference's (a routing
+        # the ranks disagree on, or none recorded, leaves the row without routing_flips)
+        evidence = report.comparison.evidence
+        assert "routing_flips" in evidence, evidence
+        if not bf16:  # fp32 routes as the eager reference does: not one choice flipped
+            assert evidence["routing_flips"] == 0 and evidence["routing_roots"] == []
+        # the reference ran again with rank 0's experts forced (the counterfactual) only where the routing flipped
+        assert "forced_prefill_rel_error" not in evidence or evidence["routing_flips"] > 0, evidence
 
 
 def test_a_model_without_a_parallel_plan_forced_to_two_cores_is_unsupported(tiny_models: Path) -> None:
@@ -120,3 +129,38 @@ def test_a_rank_that_dies_takes_its_group_down_and_is_named(tiny_models: Path) -
         and "accelerator.rank1 process killed by SIGKILL" in report.failure.error_message
     )
     assert not any(r.is_running() and r.status() != psutil.STATUS_ZOMBIE for r in ranks)  # rank 0 went too
+
+
+def _agree(rank: int, port: int, digests: list[bytes], answers: Any) -> None:
+    import torch.distributed as dist
+
+    from services.runner.parallel import same_on_every_rank
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(digests))
+    try:
+        same = same_on_every_rank(digests[rank], "cpu")
+        differ = same_on_every_rank(digests[rank] if rank == 0 else b"\x01" + digests[rank][1:], "cpu")
+        answers.put((rank, same, differ))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_ranks_routing_is_kept_only_where_every_rank_recorded_the_same() -> None:
+    """``same_on_every_rank``, which decides whether an EP run keeps rank 0's routing: two gloo ranks with the same
+    digest both hear yes; one rank's other digest (a rank-local fault routed it otherwise) makes both hear no."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    digest = bytes(range(32))
+    ranks = [context.Process(target=_agree, args=(rank, port, [digest, digest], answers)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    assert sorted(answers.get(timeout=5) for _ in ranks) == [(0, True, False), (1, True, False)]

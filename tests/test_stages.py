@@ -21,9 +21,13 @@ from tests.test_pipeline import FINISHED, result_rows, submit
 
 
 def stage_runner(worker: Any, job_id: int, stage: str, timeout: float = 120) -> psutil.Process:
-    """The runner process a worker started for one stage of a job."""
+    """The runner process a worker started for one stage of a job, once the worker has logged its start (a
+    worker killed between the runner's exec and its log line would leave a start the log does not count)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if not runner_starts(worker, job_id, stage):
+            time.sleep(0.1)
+            continue
         for child in psutil.Process(worker.proc.pid).children(recursive=True):
             try:
                 cmd = child.cmdline()
@@ -179,6 +183,7 @@ def test_a_fails_artifacts_stay_until_the_retention(api: Any, worker: Any, start
     kept = artifacts / f"job-{failed['id']}"
     assert (kept / "accelerator.json").exists() and (kept / "prefill-logits.npy").exists()  # for inspection
     assert (kept / "verdict.json").exists() and not expired.exists()
+    assert (kept / "work-accelerator").is_dir() and (kept / "work-verdict").is_dir()  # what the stages compiled there
 
 
 def test_cancelling_a_judging_job_stops_its_verdict_stage_and_writes_nothing(

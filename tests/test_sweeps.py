@@ -28,6 +28,8 @@ from shared.db.models import Job, Sweep, Worker
 from shared.hub.client import ResolvedModel
 from shared.jobs.broker import make_celery
 from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
+from shared.jobs.queues import job_queue
+from shared.jobs.runtimes import RUNTIMES_SNAPSHOT_S
 from shared.jobs.submission import submit
 from shared.jobs.sweeps import candidates, open_sweep, run_sweep
 from shared.settings import Settings, get_settings
@@ -137,6 +139,26 @@ def test_a_sweep_reruns_cells_whose_runs_flipped(session: Session, settings: Set
     notes = session.execute(sa.text("SELECT view, note FROM sweep_entries WHERE job_id = :j"), {"j": queued[0].job.id})
     assert notes.all() == [("rerun", "2 flips")]
     assert sweep_once(session, settings.model_copy(update={"sweep_tasks": [], "sweep_selected": []})) == []
+
+
+def test_a_rerun_of_a_flipped_cell_runs_its_own_stack_not_every_stack_on_its_compiler(
+    session: Session, settings: Settings, sweep_repos: Path
+) -> None:
+    """Two stacks are served on the flaky cell's compiler (another TorchNeuron build beside it): the rerun is one job,
+    of the cell's own stack; the other stack's cell did not flip."""
+    flaky = RuntimeInfo(backend="neuron", compiler_name="neuronx-cc", compiler_version=COMPILERS[0],
+                        library_version="5.24.0", torch_version="2.13.0")  # fmt: skip
+    other = flaky.model_copy(update={"torch_neuronx_version": "2.13.3.0.2"})
+    session.add(Worker(name="w-other", host="h", pid=9, cores="0", core_count=1, queue="q",
+                       heartbeat_at=dt.datetime.now(dt.UTC), **other.model_dump()))  # fmt: skip
+    session.commit()
+    for i, verdict in enumerate([Verdict.PASS, Verdict.FAIL, Verdict.PASS]):
+        record(session, "sweep/pinned-gpt2", flaky, verdict, force=i > 0)
+    time.sleep(RUNTIMES_SNAPSHOT_S)  # the live runtimes read before the new worker are kept this long
+    only_reruns = settings.model_copy(update={"sweep_tasks": [], "sweep_selected": [], "sweep_rerun_flips": 2})
+    queued = sweep_once(session, only_reruns)
+    assert [(s.job.model_id, s.job.runtime().stack()) for s in queued] == [("sweep/pinned-gpt2", flaky.stack())]
+    assert queued[0].job.queue == job_queue("neuron", flaky.stack(), queued[0].job.cores)
 
 
 def dead_broker() -> Any:

@@ -8,7 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pytest
+
 from services.runner.faults import SLOW_DECODE_S
+from services.runner.tasks import tiers
 from shared.contracts.enums import LongOutcome, Verdict
 from shared.contracts.report import RunReport
 from shared.contracts.run import RuntimeInfo
@@ -112,3 +116,70 @@ def test_the_long_rule_reads_windows_of_its_text() -> None:
     assert (
         long_outcome(reference, reference, plausible, plausible, False, tol).long_generation == LongOutcome.non_finite
     )
+
+
+class FakeModel:
+    """A ``generate`` for ``timed_generations`` on a fake clock: each call's prefill takes the next of
+    ``prefill_s``, each later step ``step_s``; it calls the given logits processors once per step, as generate
+    does, and counts its calls and the steps it ran."""
+
+    def __init__(self, prefill_s: list[float], step_s: float, new_tokens: int) -> None:
+        self.prefill_s, self.step_s, self.new_tokens = iter(prefill_s), step_s, new_tokens
+        self.now = 0.0
+        self.calls = 0
+        self.steps = 0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def generate(self, processors: list[Any]) -> None:
+        self.calls += 1
+        self.now += next(self.prefill_s)
+        for step in range(self.new_tokens):
+            if step:
+                self.now += self.step_s
+            self.steps += 1
+            for processor in processors:
+                processor(None, None)
+
+
+def test_ttft_percentiles_come_from_a_hundred_first_tokens_not_the_slowest_of_the_timed_generations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """3 timed generations of 64 tokens, then, at the default, at least 100 generations ended at their first
+    token: p50 and p99 are np.percentile's of those samples. One slow prefill among them (a hiccup, 1 s) moves the
+    p99 a little and is not the p99, as it was when the p99 was the slowest of 3."""
+    iterations, new_tokens = 3, 64
+    whole = [0.050] * iterations  # the timed generations' own prefills
+    firsts = [0.010 + 0.0001 * i for i in range(99)] + [1.0] + [0.011] * 1000  # more than any run takes
+    model = FakeModel(whole + firsts, step_s=0.002, new_tokens=new_tokens)
+    monkeypatch.setattr(tiers.time, "perf_counter", model.perf_counter)
+    performance = tiers.timed_generations(model.generate, no_wait, iterations, 12, new_tokens)
+    sampled = model.calls - iterations  # the generations the run ended at their first token
+    assert sampled >= 100
+    # the first-token runs stopped at their first step: no decode paid for a TTFT sample
+    assert model.steps == iterations * new_tokens + sampled
+    assert performance.perf_iterations == iterations
+    taken = firsts[:sampled]
+    assert performance.ttft_p50_s == pytest.approx(float(np.percentile(taken, 50)))
+    assert performance.ttft_p99_s == pytest.approx(float(np.percentile(taken, 99)))
+    assert performance.ttft_p99_s < 0.03 < max(taken)  # the hiccup was sampled, and is not the p99
+    assert performance.tpot_p50_s == pytest.approx(0.002) and performance.decode_tokens_per_s == pytest.approx(500)
+
+
+def no_wait() -> None:
+    """The synchronize of a backend with nothing to wait for."""
+
+
+def test_a_first_token_sample_whose_generate_runs_no_step_is_a_runtime_failure() -> None:
+    """A generate that returns without calling its logits processors leaves nothing to time: the run fails with
+    the class runtime and says so (not an AssertionError, which ``python -O`` would drop)."""
+    from services.runner.failures import RunFailure
+    from shared.contracts.enums import ErrorClass
+
+    def generate_nothing(processors: list[Any]) -> None:
+        del processors
+
+    with pytest.raises(RunFailure) as raised:
+        tiers.first_token_seconds(generate_nothing, no_wait)
+    assert raised.value.error_class == ErrorClass.runtime and "ran no step" in raised.value.message

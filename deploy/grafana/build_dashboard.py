@@ -5,7 +5,8 @@
 
 Every panel reads the provisioned Prometheus datasource by its fixed uid. tests/test_metrics.py checks that
 the committed JSON is this script's output, and runs each panel's PromQL against a real Prometheus that
-scraped a stack which ran jobs: each must return data.
+scraped a stack which ran jobs: each must return data (one over cells of two compiler versions, against a
+Prometheus over such cells).
 """
 
 from __future__ import annotations
@@ -178,13 +179,18 @@ def build() -> Dashboard:
             )
         )
         .with_panel(
-            series(
-                "Decode rate at batch 1",
-                "short",
-                query("supportmatrix_decode_tokens_per_second", "{{compiler_version}} tokens/s"),
-                description="The mean decode rate of each compiler version's PASS rows (their performance tier); "
-                "a version well below the others is a regression to look for in /changes.",
+            table.Panel()
+            .title("Decode rate against the previous compiler version (slowest cells)")
+            .description(
+                "Per cell (model, task, backend, compiler, cores): its decode rate at batch 1 at its newest compiler "
+                "version over the same cell's at the version before; below 0.85 is a slowdown (alert "
+                "SupportmatrixCellDecodeSlower), to read in /changes."
             )
+            .datasource(DATASOURCE)
+            .unit("percentunit")
+            .span(12)
+            .height(8)
+            .with_target(query("bottomk(10, supportmatrix_decode_speed_ratio)", instant=True))
         )
         .with_panel(
             table.Panel()

@@ -196,14 +196,14 @@ class StateCollector(Collector):
             "Results by compiler version and compile-cache outcome (hit, miss, none: no persistent cache)",
             labels=["compiler_version", "outcome"],
         )
-        for key, n in sorted(cache.items()):
-            outcomes.add_metric(list(key), n)
+        for cache_key, n in sorted(cache.items()):
+            outcomes.add_metric(list(cache_key), n)
         yield outcomes
         results = GaugeMetricFamily(
             "supportmatrix_results", "Results by verdict and error class", labels=["verdict", "error_class"]
         )
-        for key, n in sorted(legacy.items()):
-            results.add_metric(list(key), n)
+        for legacy_key, n in sorted(legacy.items()):
+            results.add_metric(list(legacy_key), n)
         yield results
         last = stats.last_result_at(session)
         if last is not None:
@@ -249,21 +249,22 @@ class StateCollector(Collector):
         yield family
 
     def throughput(self, session: Session) -> Iterator[Metric]:
-        rate = GaugeMetricFamily(
-            "supportmatrix_decode_tokens_per_second",
-            "Mean decode rate at batch 1 of the PASS rows of a compiler version (their performance tier)",
-            labels=["compiler_version"],
+        """Each cell's decode rate at its newest compiler version against the same cell's at the version before:
+        one series per cell that has rates under two versions (a cell of one version has nothing to compare and
+        no series), so that a slowdown is a cell's, never a change of model mix."""
+        ratio = GaugeMetricFamily(
+            "supportmatrix_decode_speed_ratio",
+            "A cell's decode rate at its newest compiler version over its rate at the version before (1: as fast)",
+            labels=[*stats.CELL_LABELS, "compiler_version", "previous_compiler_version"],
         )
-        counted = GaugeMetricFamily(
-            "supportmatrix_throughput_results",
-            "PASS rows with a measured decode rate, per compiler version",
-            labels=["compiler_version"],
-        )
-        for version, tokens_per_s, n in stats.throughput_by_compiler(session):
-            rate.add_metric([version or ""], tokens_per_s)
-            counted.add_metric([version or ""], n)
-        yield rate
-        yield counted
+        for cell in stats.cell_speeds(session):
+            newest, previous = cell.newest, cell.previous
+            if previous is not None:
+                ratio.add_metric(
+                    [*cell.labels, newest.compiler_version, previous.compiler_version],
+                    newest.tokens_per_s / previous.tokens_per_s,
+                )
+        yield ratio
 
     def deliveries(self, session: Session) -> Iterator[Metric]:
         """Redeliveries, the reconciler's re-sends, and the active jobs riding on a re-sent message."""
@@ -368,8 +369,8 @@ class StateCollector(Collector):
             "Entries of the unfinished sweeps and the newest, by the state of their job",
             labels=["sweep_id", "job_state"],
         )
-        for sweep_id, state, n in stats.sweep_progress(session):
-            progress.add_metric([str(sweep_id), state.value if state else "none"], n)
+        for sweep_id, job_state, n in stats.sweep_progress(session):
+            progress.add_metric([str(sweep_id), job_state.value if job_state else "none"], n)
         yield progress
 
 

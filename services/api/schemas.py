@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import Path, Query
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from shared.contracts.enums import ErrorClass, JobState, Task
-from shared.contracts.run import RuntimeInfo
+from shared.contracts.run import CoreCount, RuntimeInfo, Stack
 from shared.hub.client import MODEL_ID_PATTERN, REVISION_PATTERN, is_model_id, is_revision
 from shared.jobs.submission import TASK_BY_PIPELINE
 from shared.results.records import ResultRecord
@@ -73,7 +73,7 @@ class JobCreate(BaseModel):
         + ", ".join(f"{tag} → {task.value}" for tag, task in TASK_BY_PIPELINE.items())
         + "); any other tag (image-text-to-text, ...) is refused with 422 unless a task is given.",
     )
-    cores: Literal[1, 2, 4, 8, 16] | None = Field(
+    cores: CoreCount | None = Field(
         None, description="Shard over this many cores; default: the fewest whose memory holds the weights."
     )
 
@@ -121,6 +121,18 @@ class JobPage(BaseModel):
 class ResultPage(BaseModel):
     items: list[ResultRecord]
     next_cursor: str | None
+
+
+class StackOut(BaseModel):
+    """A software stack with results (GET /results/stacks): how it is named, and its versions."""
+
+    digest: str = Field(description="What axis=stack takes; the stack-<digest> of queue, file and config names.")
+    label: str = Field(description="Its versions as the pages show them.")
+    versions: Stack
+
+    @classmethod
+    def of(cls, stack: Stack) -> StackOut:
+        return cls(digest=stack.digest, label=stack.label(), versions=stack)
 
 
 class ErrorBody(BaseModel):

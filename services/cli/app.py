@@ -26,7 +26,8 @@ import typer
 from services.cli import display
 from services.cli.client import ApiClient, CliError, one_line
 from services.cli.display import console
-from shared.contracts.enums import ACTIVE_STATES, JobState, Scope, SweepState, Task, Verdict
+from shared.contracts.enums import ACTIVE_STATES, Axis, JobState, Scope, SweepState, SweepView, Task, Verdict
+from shared.contracts.run import CORE_SIZES
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -48,17 +49,6 @@ class Format(StrEnum):
 class Listing(StrEnum):
     table = "table"
     json = "json"
-
-
-class View(StrEnum):
-    trending = "trending"
-    downloads = "downloads"
-    selected = "selected"
-
-
-class Axis(StrEnum):
-    compiler = "compiler"
-    library = "library"
 
 
 @dataclass
@@ -109,6 +99,12 @@ def global_options(
     OPTIONS.api_url, OPTIONS.token, OPTIONS.request_timeout_s, OPTIONS.debug = api_url, token, request_timeout, debug
 
 
+def _cores_help(default: str) -> str:
+    """The --cores help of submit and run: the sizes a job may ask for, as shared.contracts.run allows them."""
+    *smaller, largest = CORE_SIZES
+    return f"Shard over {', '.join(map(str, smaller))} or {largest} cores; default: {default}."
+
+
 # --- jobs ----------------------------------------------------------------------------------------------------
 
 
@@ -120,9 +116,7 @@ def submit(
         list[str] | None,
         typer.Option(help="A compiler version to test with; repeat for several. Default: every one workers serve."),
     ] = None,
-    cores: Annotated[
-        int | None, typer.Option(help="Shard over 1, 2, 4, 8 or 16 cores; default: the fewest that hold it.")
-    ] = None,
+    cores: Annotated[int | None, typer.Option(help=_cores_help("the fewest that hold it"))] = None,
     task: Annotated[Task | None, typer.Option(help="Default: from the model's pipeline tag.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Rerun finished identical jobs (an admin token).")] = False,
     wait: Annotated[
@@ -219,7 +213,7 @@ def results(
     compiler: Annotated[str | None, typer.Option(help="Only this compiler version.")] = None,
     library_version: Annotated[str | None, typer.Option(help="Only this transformers version.")] = None,
     verdict: Annotated[Verdict | None, typer.Option(help="Only this verdict.")] = None,
-    view: Annotated[View | None, typer.Option(help="The newest sweep's view, in its rank order.")] = None,
+    view: Annotated[SweepView | None, typer.Option(help="The newest sweep's view, in its rank order.")] = None,
     task: Annotated[Task | None, typer.Option(help="With --view: its task.")] = None,
     limit: Annotated[int, typer.Option(help="At most this many rows, newest first.")] = 100,
     cursor: Annotated[int | None, typer.Option(help="The next page: the cursor a previous page printed.")] = None,
@@ -262,7 +256,9 @@ def results(
 def diff(
     old: Annotated[str, typer.Argument(metavar="OLD", help="The older version.")],
     new: Annotated[str, typer.Argument(metavar="NEW", help="The newer version.")],
-    axis: Annotated[Axis, typer.Option(help="Compare compiler versions, or transformers versions.")] = Axis.compiler,
+    axis: Annotated[
+        Axis, typer.Option(help="Compare compiler versions, transformers versions, or whole stacks (by digest).")
+    ] = Axis.compiler,
     format: Annotated[Listing, typer.Option("--format")] = Listing.table,
 ) -> None:
     """What regressed (PASS → FAIL/ERROR), was fixed, or is FLAKY between two versions (GET /results/diff)."""
@@ -349,7 +345,7 @@ def run(
     local_dir: Annotated[Path | None, typer.Option(help=_runner_help("local_dir"))] = None,
     backend: Annotated[str | None, typer.Option(help="cpu, cuda or neuron; default: SUPPORTMATRIX_BACKEND.")] = None,
     task: Annotated[Task, typer.Option(help=_runner_help("task"))] = Task.text_generation,
-    cores: Annotated[int | None, typer.Option(help="Shard over 1, 2, 4, 8 or 16 cores; default: sized.")] = None,
+    cores: Annotated[int | None, typer.Option(help=_cores_help("sized"))] = None,
     trust_remote_code: Annotated[
         bool, typer.Option("--trust-remote-code", help=_runner_help("trust_remote_code"))
     ] = False,

@@ -108,9 +108,10 @@ def diff_tables(diff: CellDiff) -> list[Table]:
         changes = getattr(diff, kind)
         if not changes:
             continue
-        table = _table(f"{kind} ({len(changes)})", "model", "task", diff.from_version, diff.to_version)
+        table = _table(f"{kind} ({len(changes)})", "model", "task", diff.from_version, diff.to_version, "stacks")
         for c in changes:
-            table.add_row(c.model_id, c.task, verdict_text(c.from_status), verdict_text(c.to_status))
+            stacks = f"{c.from_stack.digest} → {c.to_stack.digest}"  # a side may hold several stacks of one version
+            table.add_row(c.model_id, c.task, verdict_text(c.from_status), verdict_text(c.to_status), stacks)
         tables.append(table)
     if diff.slower:
         table = _table(f"slower ({len(diff.slower)})", "model", "task", f"{diff.from_version} tok/s",

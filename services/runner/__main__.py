@@ -21,14 +21,14 @@ from shared.contracts.enums import ErrorClass, Verdict
 from shared.contracts.handoffs import write_model
 from shared.contracts.report import Failure, RunReport, Subject
 from shared.contracts.run import RunRequest
-from shared.settings import get_settings
+from shared.settings import get_runner_settings
 
 EXIT_CODES = {None: 0, Verdict.PASS: 0, Verdict.FAIL: 1, Verdict.ERROR: 3, Verdict.SKIPPED: 3}
 
 
 def main(argv: list[str] | None = None) -> int:
     request = RunRequest.from_argv(sys.argv[1:] if argv is None else argv)  # argparse exits 2 on bad usage
-    settings = get_settings()
+    settings = get_runner_settings()
     try:
         report = run(request, settings)
     except Exception as exc:  # a bug of ours still ends in a report, never in a silent exit

@@ -21,7 +21,7 @@ from services.runner.measure import graphs_compiled
 from services.runner.specs import AcceleratorSpec, AnySpec, ChildOutcome, DescribeSpec, SpecFile
 from services.runner.tasks import get_task
 from shared.contracts.enums import ErrorClass
-from shared.settings import get_settings
+from shared.settings import get_runner_settings
 
 
 class SharedCompileCache:
@@ -52,7 +52,7 @@ def join_process_group(backend: Backend) -> None:
 
 
 def run_role(spec: AnySpec) -> BaseModel:
-    backend = get_backend(spec.backend, get_settings())
+    backend = get_backend(spec.backend, get_runner_settings())
     if isinstance(spec, DescribeSpec):
         return backend.describe()
     task = get_task(spec.task)

@@ -153,7 +153,7 @@ def key_device_meshes_by_value() -> None:
 def _reduce_device_mesh(mesh: Any) -> tuple[Callable[..., Any], tuple[type], dict[str, Any]]:
     state = mesh.__getstate__()  # DeviceMesh's own, which already leaves out its process groups
     state.pop("_hash", None)
-    return copyreg.__newobj__, (type(mesh),), state
+    return copyreg.__newobj__, (type(mesh),), state  # type: ignore[attr-defined]  # in copyreg, not in typeshed
 
 
 def remote_for(url: str, ns: str, token: str | None = None) -> Remote | BucketRemote:

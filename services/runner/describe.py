@@ -14,7 +14,7 @@ from services.runner.backends import BACKENDS
 from services.runner.launch import run_child
 from services.runner.specs import DescribeSpec
 from shared.contracts.run import RuntimeInfo
-from shared.settings import get_settings, inherited_environment
+from shared.settings import get_runner_settings, inherited_environment
 
 # Importing the backend's packages, not running a model: the job's own limit (seconds, in some tests) does not
 # apply, and a loaded host may take a while to import torch.
@@ -22,7 +22,7 @@ DESCRIBE_TIMEOUT_S = 300.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    settings = get_settings()
+    settings = get_runner_settings()
     parser = argparse.ArgumentParser(prog="python -m services.runner.describe", description=__doc__)
     parser.add_argument("--backend", choices=sorted(BACKENDS), default=settings.backend)
     args = parser.parse_args(argv)

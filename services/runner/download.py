@@ -1,10 +1,21 @@
-"""Getting a checkpoint onto local disk through huggingface_hub (or taking a local directory as it is)."""
+"""Getting a checkpoint onto local disk through huggingface_hub (or taking a local directory as it is).
+
+``python -m services.runner.download RUN-REQUEST-FLAGS`` only downloads (into HF_HOME): the worker runs it, as
+its own user and with the Hub token, for a gated repo whose own code runs (services/worker/supervise.py); that
+job's runner then never holds the token and finds the files offline (HF_HUB_OFFLINE=1) in the same Hub cache.
+Exit status 0, or 3 with a RunReport of the failure at ``--report``.
+
+With HF_HUB_OFFLINE set — by the worker for such a run, or by an operator for any — a download reads the Hub
+cache only: the snapshot of the pinned commit, which must hold weights (and the repo's ``*.py`` when its code
+runs), else ``RunFailure(download)``.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import json
+import sys
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -12,6 +23,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -20,16 +32,21 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from services.runner.failures import RunFailure
-from shared.contracts.enums import ErrorClass
+from services.runner.failures import RunFailure, failure_report, stage_report
+from shared.contracts.enums import ErrorClass, Verdict
+from shared.contracts.handoffs import write_model
+from shared.contracts.run import RunRequest
 from shared.hub.client import TRANSPORT_ERRORS
 from shared.hub.kinds import unknown_model_type
+from shared.settings import get_runner_settings
 
 # What from_pretrained reads; weights, READMEs, ONNX or GGUF copies and the like are not fetched.
 _CONFIG_AND_TOKENIZER = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "tokenizer*"]
 # A diffusers pipeline's other copies of its weights (``unet/diffusion_pytorch_model.fp16.safetensors``), which
 # from_pretrained without ``variant=`` does not load
 PIPELINE_VARIANTS = ("fp16", "bf16", "fp32", "non_ema", "ema_only")
+# No connection to the Hub at all (its type written: mypy reads no starred tuple in an ``except`` clause).
+_NO_CONNECTION: tuple[type[Exception], ...] = (LocalEntryNotFoundError, *TRANSPORT_ERRORS)
 
 
 @dataclass(frozen=True)
@@ -76,6 +93,8 @@ def download(
 
 
 def _download(model: str, revision: str | None, with_code: bool) -> Checkpoint:
+    if hub_constants.HF_HUB_OFFLINE:
+        return _cached(model, revision, with_code)
     try:
         info = HfApi().model_info(model, revision=revision)
         files = [s.rfilename for s in info.siblings or []]
@@ -100,11 +119,40 @@ def _download(model: str, revision: str | None, with_code: bool) -> Checkpoint:
         unavailable = status >= 500 or status == 429
         error_class = ErrorClass.hub_unavailable if unavailable else ErrorClass.download
         raise RunFailure(error_class, f"{type(exc).__name__}: {exc}"[:4000]) from exc
-    except (LocalEntryNotFoundError, *TRANSPORT_ERRORS) as exc:  # no connection to the Hub at all
+    except _NO_CONNECTION as exc:
         raise RunFailure(ErrorClass.hub_unavailable, f"{type(exc).__name__}: {exc}"[:4000]) from exc
     except OSError as exc:
         raise RunFailure(ErrorClass.download, f"{type(exc).__name__}: {exc}"[:4000]) from exc
     return Checkpoint(path=Path(path), sha=info.sha)
+
+
+# What a snapshot must hold for a run: weights in a format from_pretrained loads, and its code when that runs.
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def _cached(model: str, revision: str | None, with_code: bool) -> Checkpoint:
+    """Offline (HF_HUB_OFFLINE): the snapshot already in the Hub cache — what the worker downloaded for this run,
+    the repo's code with it when it has some. Its folder is named by its commit. A snapshot without weights, or
+    without the repo's ``*.py`` when its code runs (a config fetched alone, a download cut short), is no
+    checkpoint: ``RunFailure(download)``."""
+    try:
+        path = Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError) as exc:
+        raise RunFailure(ErrorClass.download, f"{model}@{revision or 'main'} is not in the Hub cache: {exc}") from exc
+    missing = missing_from_snapshot({p.name for p in path.rglob("*") if p.is_file()}, with_code)
+    if missing:
+        raise RunFailure(ErrorClass.download, f"the Hub cache's snapshot of {model} at {path.name} has no {missing}")
+    check_architecture(path / "config.json")
+    return Checkpoint(path=path, sha=path.name)
+
+
+def missing_from_snapshot(names: set[str], with_code: bool) -> str | None:
+    """What a snapshot of these file names lacks to be run, said; None when it lacks nothing."""
+    if not any(name.endswith(WEIGHT_SUFFIXES) for name in names):
+        return "weights (*.safetensors or *.bin)"
+    if with_code and not any(name.endswith(".py") for name in names):
+        return "code of its own (*.py), which its run needs"
+    return None
 
 
 def check_architecture(config_path: Path) -> None:
@@ -152,3 +200,26 @@ def _all_model_types() -> frozenset[str]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     return frozenset(CONFIG_MAPPING_NAMES)
+
+
+def main(argv: list[str]) -> int:
+    """Download what ``RunRequest`` names (its repo's code with it when trust_remote_code) and exit 0; a
+    failure is a RunReport at its ``--report`` (the stage's report, as the runner writes it) and exit 3."""
+    request = RunRequest.from_argv(argv)
+    settings = get_runner_settings()
+    try:
+        checkpoint = download(request.model_id, request.revision, request.local_dir, settings.hub_retry_delays_s,
+                              with_code=request.trust_remote_code)  # fmt: skip
+    except RunFailure as failure:
+        started = stage_report(request, request.backend or settings.backend, settings.host_name)
+        report = failure_report(started, failure, Verdict.ERROR)
+        if request.report is not None:
+            write_model(request.report, report)
+        print(report.model_dump_json())
+        return 3
+    print(checkpoint.path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

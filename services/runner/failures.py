@@ -1,4 +1,4 @@
-"""Turning what went wrong in a runner process into an error class and a message."""
+"""Turning what went wrong in a runner process into an error class and a message, and into a stage's report."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from shared.contracts.enums import ErrorClass
-from shared.results.signatures import module_of
+from shared.contracts.enums import ErrorClass, Verdict
+from shared.contracts.report import Failure, Performance, Provenance, RunReport, Subject
+from shared.contracts.run import RunRequest
+from shared.results.signatures import error_signature, module_of
 
 _OOM_MARKERS = ("out of memory", "outofmemory", "cannot allocate memory", "failed to allocate")
 _COMPILE_ID = re.compile(r"^\d+/(\d+):\s*")  # a guard failure's "frame/compile:" prefix
@@ -155,3 +157,29 @@ def phase(error_class: ErrorClass) -> Iterator[None]:
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         raise RunFailure(classify(exc, error_class), describe(exc), traceback.format_exc()) from exc
+
+
+def stage_report(request: RunRequest, backend: str, host: str | None) -> RunReport:
+    """The report a stage starts from, filled in as it gets further: what it runs (the request's model, commit and
+    task, on ``backend``) and where (``host``, the request's core range)."""
+    return RunReport(
+        subject=Subject(model_id=request.model_id, revision=request.revision, task=request.task, backend=backend),
+        provenance=Provenance(host=host, core_range=request.core_range),
+    )
+
+
+def failure_report(
+    report: RunReport, failure: RunFailure, verdict: Verdict = Verdict.ERROR, prefix: str = ""
+) -> RunReport:
+    """The report of a stage that ended with ``failure``: its class, message and (ERROR) signature, and the
+    graphs the accelerator's compiler built when the failure says and the report does not already."""
+    ended = Failure(error_class=failure.error_class, error_message=prefix + failure.message)
+    if verdict == Verdict.ERROR:
+        signature = error_signature(failure.error_class, prefix + failure.cause, failure.trace, report.subject.model_id)
+        ended = ended.model_copy(update={"failure_signature": signature.text, "signature_id": signature.id})
+    resources = report.resources
+    if resources.graphs_compiled is None:
+        resources = resources.model_copy(update={"graphs_compiled": failure.graphs_compiled})
+    # a run that did not end in a verdict has no speed to report (a PASS's alone is kept)
+    update = {"verdict": verdict, "failure": ended, "resources": resources, "performance": Performance()}
+    return report.model_copy(update=update)

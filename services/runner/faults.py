@@ -12,7 +12,11 @@ subtle (``bench/calibrate_verdict.py`` measures which ones the verdict catches):
   projection are zero; on a sharded run, on the rank that holds that head);
 - ``rotary_base``: the rotary embedding's base (``rope_theta``) doubled — its ``inv_freq`` recomputed;
 - ``cache_position``: every decode step runs at the position one past the cache's length (an off-by-one
-  position id: RoPE, or a learned position embedding, of the wrong position); the prefill is untouched.
+  position id: RoPE, or a learned position embedding, of the wrong position); the prefill is untouched;
+- ``permute_experts`` (MoE): the last rank's experts, in every MoE layer, hold their neighbour's weights (rotated by
+  one: expert i computes what expert i - 1 should), as a loader that maps expert indices wrongly on one rank
+  would leave them; the router is untouched, so it still chooses as the reference does where its input agrees. On
+  one core, the experts a 2-way split gives the last rank.
 
 Two only the long generation can see (the 32-token run never gets that far):
 - ``late_corruption``: from 100 tokens past the prompt on, every decode step reads a blank input (its token's
@@ -40,15 +44,19 @@ import math
 import time
 from typing import Any
 
-SCALED = {"scale_shard_1pct": 0.01, "scale_shard_10pct": 0.10}
+from shared.contracts.enums import Fault
+
+SCALED: dict[str, float] = {Fault.scale_shard_1pct: 0.01, Fault.scale_shard_10pct: 0.10}
 SCALE_PREFIX = "scale_shard@"  # scale_shard@<s>: the shard scaled by 1 + s (benches)
-LATE_FAULTS = {"late_corruption": 0.0, "late_nan": math.nan}  # the late decode steps' input embedding, times this
+# The late decode steps' input embedding, times this.
+LATE_FAULTS: dict[str, float] = {Fault.late_corruption: 0.0, Fault.late_nan: math.nan}
 MODEL_FAULTS = (
-    "perturb_shard", "skip_allreduce", "drop_layer", *SCALED, "zero_head", "rotary_base", "cache_position",
-    *LATE_FAULTS,
+    Fault.perturb_shard, Fault.skip_allreduce, Fault.drop_layer, *SCALED, Fault.zero_head, Fault.rotary_base,
+    Fault.cache_position, Fault.permute_experts, *LATE_FAULTS,
 )  # fmt: skip
-GENERATION_FAULTS = ("swap_token", "swap_near_tie", "slow_decode")
-MODULE_FAULTS = ("drop_layer", *SCALED, "wrong_pooling")  # embedding and image models (scale_shard@<s> too)
+GENERATION_FAULTS = (Fault.swap_token, Fault.swap_near_tie, Fault.slow_decode)
+# Embedding and image models (scale_shard@<s> too).
+MODULE_FAULTS = (Fault.drop_layer, *SCALED, Fault.wrong_pooling)
 # Where each library keeps what the module faults change: the layers' containers, attention output projections.
 LAYER_CONTAINERS = (".layer", ".layers", ".transformer_blocks", ".blocks")
 OUTPUT_PROJECTIONS = ("attention.output.dense", "to_out.0", "o_proj", "out_proj")
@@ -56,7 +64,6 @@ LATE_STEP = 100  # tokens past the prompt: far beyond the 32 the verdict reads, 
 # Past a tiny model's step even on a starved 2-CPU machine (CI saw 35 ms there beside other runs): the slow run stays
 # clearly slower than the clean one it is compared with, by more than /changes' noise band.
 SLOW_DECODE_S = 0.05
-FAULTS = tuple(dict.fromkeys(MODEL_FAULTS + GENERATION_FAULTS + MODULE_FAULTS))
 SWAP_STEP = 4
 SWAP_RANK = 10
 NEAR_TIE_NATS = 0.05
@@ -77,7 +84,7 @@ def logits_processors(fault: str | None, prompt_length: int) -> list[Any]:
         return []
     from transformers import LogitsProcessor
 
-    if fault == "slow_decode":
+    if fault == Fault.slow_decode:
 
         class Slow(LogitsProcessor):
             def __call__(self, input_ids: Any, scores: Any) -> Any:
@@ -95,7 +102,7 @@ def logits_processors(fault: str | None, prompt_length: int) -> list[Any]:
             if self.done or step < SWAP_STEP:
                 return scores
             ranked = scores[0].float().log_softmax(-1).sort(descending=True)
-            if fault == "swap_token":
+            if fault == Fault.swap_token:
                 chosen = int(ranked.indices[SWAP_RANK])
             elif ranked.values[0] - ranked.values[1] < NEAR_TIE_NATS:
                 chosen = int(ranked.indices[1])
@@ -119,7 +126,7 @@ def inject(model: Any, fault: str, rank: int, world_size: int, prompt_length: in
     if fault in SCALED or fault.startswith(SCALE_PREFIX):
         scale = SCALED[fault] if fault in SCALED else float(fault.removeprefix(SCALE_PREFIX))
         scale_shard(model, scale, rank, world_size)
-    elif fault == "perturb_shard":
+    elif fault == Fault.perturb_shard:
         weight = layers[0].self_attn.q_proj.weight
         local = weight.to_local() if hasattr(weight, "to_local") else weight
         if rank == world_size - 1:
@@ -127,7 +134,7 @@ def inject(model: Any, fault: str, rank: int, world_size: int, prompt_length: in
             noise = torch.randn(local.shape, generator=generator, dtype=torch.float32).to(local.dtype)
             with torch.no_grad():
                 local.add_(noise.to(local.device) * local.float().std().item())
-    elif fault == "skip_allreduce":
+    elif fault == Fault.skip_allreduce:
         if world_size < 2:
             raise ValueError("skip_allreduce needs a sharded run")
         from torch.distributed.tensor import DTensor
@@ -142,18 +149,20 @@ def inject(model: Any, fault: str, rank: int, world_size: int, prompt_length: in
             return torch.nn.functional.linear(local_x, local_weight)  # the partial sum, never reduced
 
         projection.forward = partial_forward
-    elif fault == "drop_layer":
+    elif fault == Fault.drop_layer:
         layers[-1].forward = lambda hidden_states, *args, **kwargs: hidden_states
-    elif fault == "zero_head":
+    elif fault == Fault.zero_head:
         zero_head(model, rank, world_size)
-    elif fault == "rotary_base":
+    elif fault == Fault.rotary_base:
         rotary_base(model, ROTARY_BASE_FACTOR)
-    elif fault == "cache_position":
+    elif fault == Fault.cache_position:
         shift_decode_positions(model, 1)
+    elif fault == Fault.permute_experts:
+        permute_experts(model, rank, world_size)
     elif fault in LATE_FAULTS:
         scale_late_inputs(model, prompt_length + LATE_STEP, LATE_FAULTS[fault])
     else:
-        raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
+        raise ValueError(f"unknown fault {fault!r}; known: {', '.join(Fault)}")
 
 
 def _output_projection(model: Any) -> tuple[Any, int, bool]:
@@ -201,6 +210,31 @@ def zero_head(model: Any, rank: int, world_size: int) -> None:
         local.narrow(axis, local.shape[axis] - head_dim, head_dim).zero_()
 
 
+def permute_experts(model: Any, rank: int, world_size: int) -> None:
+    """The last rank's experts rotated by one in every MoE layer: each of its experts' weights (the 3-D expert
+    tensors, experts first) moved to the next index, the last to the first. A sharded tensor's local part is that
+    rank's experts; one core's, the last half a 2-way split would give the last rank."""
+    import torch
+
+    if rank != world_size - 1:
+        return
+    found = False
+    for module in model.modules():
+        weights: list[Any] = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
+        if not all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
+            continue
+        for weight in weights:
+            sharded = hasattr(weight, "to_local")
+            local = weight.to_local() if sharded else weight
+            start = 0 if sharded else local.shape[0] - local.shape[0] // 2
+            experts = local.narrow(0, start, local.shape[0] - start)
+            with torch.no_grad():
+                experts.copy_(experts.roll(1, dims=0))
+        found = True
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no expert weights to permute")
+
+
 def rotary_base(model: Any, factor: float) -> None:
     """The rotary embedding's base times ``factor``: inv_freq = base^(-2i/d) becomes (factor·base)^(-2i/d)."""
     import torch
@@ -228,7 +262,7 @@ def shift_decode_positions(model: Any, offset: int) -> None:
     forward = model.forward
 
     def shifted(*args: Any, **kwargs: Any) -> Any:
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        input_ids: Any = kwargs.get("input_ids", args[0] if args else None)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         decode = input_ids is not None and input_ids.shape[1] == 1
         if decode and cache is not None and kwargs.get("position_ids") is None:
@@ -265,7 +299,7 @@ def inject_module(model: Any, fault: str) -> None:
     import torch
 
     named = dict(model.named_modules())
-    if fault == "drop_layer":
+    if fault == Fault.drop_layer:
         layers = [name for name in named if f".{name}".rpartition(".")[0].endswith(LAYER_CONTAINERS)
                   and name.rpartition(".")[2].isdigit()]  # fmt: skip
         if not layers:
@@ -284,5 +318,5 @@ def inject_module(model: Any, fault: str) -> None:
         half = projection.weight.shape[1] // 2
         with torch.no_grad():
             projection.weight[:, half:] *= 1 + scale
-    elif fault != "wrong_pooling":  # the sentence-transformers task swaps its pooling module itself
-        raise ValueError(f"{fault} is not a fault of an embedding or image model; those are {MODULE_FAULTS}")
+    elif fault != Fault.wrong_pooling:  # the sentence-transformers task swaps its pooling module itself
+        raise ValueError(f"{fault} is not a fault of an embedding or image model; those are {', '.join(MODULE_FAULTS)}")

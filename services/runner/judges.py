@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from shared.contracts.enums import JudgeKind
 from shared.contracts.evidence import JudgeOutcome
 from shared.contracts.report import JudgeAudit
-from shared.settings import Settings
+from shared.settings import RunnerSettings
 
 QUESTION = (
     "Is the following text fluent, grammatical English (it may stop mid-sentence)? "
@@ -114,11 +114,10 @@ class OpenAIJudge(QuestionJudge):
         return {"yes": True, "no": False}.get(first), answer
 
 
-def make_judge(settings: Settings) -> Judge:
-    kind = JudgeKind(settings.judge_kind)
-    if kind == JudgeKind.local:
+def make_judge(settings: RunnerSettings) -> Judge:
+    if settings.judge_kind == JudgeKind.local:
         return LocalLMJudge(settings.judge_model)
-    if kind == JudgeKind.openai:
+    if settings.judge_kind == JudgeKind.openai:
         if not settings.judge_url:
             raise ValueError("the openai judge needs SUPPORTMATRIX_JUDGE_URL")
         return OpenAIJudge(settings.judge_url, settings.judge_model, settings.judge_token)

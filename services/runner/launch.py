@@ -22,7 +22,7 @@ from services.runner.specs import ChildOutcome, ChildSpec, SpecFile, phase_file
 from shared.contracts.enums import ErrorClass
 from shared.contracts.handoffs import Phase
 from shared.processes import ChildProcess, describe_exit, free_port, output_tail
-from shared.settings import get_settings
+from shared.settings import get_runner_settings
 from shared.zygote_client import start_python
 
 POLL_S = 0.2
@@ -90,7 +90,7 @@ def run_ranks(
         name = role if world_size == 1 else f"{role}.rank{rank}"
         rank_spec = spec.model_copy(update={"rank": rank, "out": workdir / f"{name}.out.json"})
         spec_path = workdir / f"{name}.spec.json"
-        spec_path.write_text(SpecFile(spec=rank_spec).model_dump_json())  # type: ignore[arg-type]
+        spec_path.write_text(SpecFile(spec=rank_spec).model_dump_json())
         rank_env = dict(env)
         pin = pins[rank] if pins else RankPin({})
         if world_size > 1:
@@ -104,7 +104,7 @@ def run_ranks(
         proc, refused = start_python(
             CHILD_MODULE, [str(spec_path)], rank_env, log_path, own_group=False,
             cpus=pin.cpus or os.sched_getaffinity(0),  # the runner's by default: a forked child does not inherit them
-            zygote=get_settings().runner_zygote,
+            zygote=get_runner_settings().runner_zygote,
         )  # fmt: skip
         if refused:
             print(f"{name}: a fresh interpreter{refused}", flush=True)

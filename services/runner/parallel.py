@@ -95,3 +95,15 @@ def assert_sharded(model: Any) -> None:
         raise RunFailure(
             ErrorClass.load, "the sharded load produced no DTensor parameter: the model was not really sharded"
         )
+
+
+def same_on_every_rank(digest: bytes, device: Any) -> bool:
+    """Whether every rank of the default process group holds the same ``digest`` (a collective: every rank calls it
+    at the same point). Seven bytes of it as an int64, reduced by MAX as is and negated: the max and the min agree
+    only when every rank's value is the same. A tensor on the model's device, as the backend's collective needs."""
+    import torch
+
+    value = int.from_bytes(digest[:7], "big")
+    mine = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
+    return mine.tolist() == [value, -value]

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 from shared.contracts.enums import ErrorClass, Task
-from shared.contracts.evidence import StepEvidence
+from shared.contracts.evidence import RoutingFlip, StepEvidence
 from shared.contracts.handoffs import AcceleratorData
 
 
@@ -76,6 +76,11 @@ class ReferenceResult(BaseModel):
     reused: bool = False  # from a stored reference: the model did not run again
     step_rel_errors: list[float] | None = None  # each step's raw logits against the accelerator's, relative
     long_logprobs: list[float] | None = None  # the accelerator's long tokens' log-probs under the reference
+    routing_flips: list[RoutingFlip] | None = None  # MoE: where the accelerator's routing differs (None: not recorded)
+    # MoE whose routing flipped: the accelerator's prefill against the reference made to choose its experts
+    forced_prefill_rel_error: float | None = None
+    forced_accelerator_loglik: float | None = None  # and the accelerator's text's likelihood under that reference
+    forced_reference_loglik: float | None = None  # and that reference's best picks' on the same prefix
 
 
 class ChildOutcome(BaseModel):

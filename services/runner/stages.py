@@ -15,7 +15,7 @@ from pathlib import Path
 
 from services.runner.backends import Backend, get_backend
 from services.runner.download import Checkpoint, download
-from services.runner.failures import RunFailure, phase
+from services.runner.failures import RunFailure, failure_report, phase, stage_report
 from services.runner.judges import make_judge
 from services.runner.launch import Budget, run_child, run_ranks
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
@@ -30,7 +30,7 @@ from shared.contracts.handoffs import (
     VerdictOutput,
     write_model,
 )
-from shared.contracts.report import Failure, Performance, Placement, Provenance, RunReport, Subject
+from shared.contracts.report import Placement, RunReport
 from shared.contracts.run import RunRequest
 from shared.cores import format_cpus, parse_cpus
 from shared.hub.sizing import (
@@ -41,13 +41,12 @@ from shared.hub.sizing import (
     size_model,
     unfit_class,
 )
-from shared.results.signatures import error_signature
 from shared.results.verdict import decide
-from shared.settings import Settings, inherited_environment
+from shared.settings import RunnerSettings, inherited_environment
 from shared.testconfig import Tolerances, reference_key
 
 
-def run(request: RunRequest, settings: Settings) -> RunReport:
+def run(request: RunRequest, settings: RunnerSettings) -> RunReport:
     backend = get_backend(request.backend or settings.backend, settings)
     with _artifact_dir(request, settings) as root:
         artifacts = Artifacts(root)
@@ -63,7 +62,7 @@ def run(request: RunRequest, settings: Settings) -> RunReport:
         return judge_stage(settings, artifacts)
 
 
-def _artifact_dir(request: RunRequest, settings: Settings) -> AbstractContextManager[Path]:
+def _artifact_dir(request: RunRequest, settings: RunnerSettings) -> AbstractContextManager[Path]:
     """The job's artifact directory; a standalone full run gets a temporary one under the data dir."""
     if request.artifacts is not None:
         request.artifacts.mkdir(parents=True, exist_ok=True)
@@ -98,10 +97,7 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
     unless the run ended here (ERROR, or SKIPPED as too large)."""
     budget = _budget(request, backend)  # from the stage's start: the download counts outside compilation
     # The report is filled in as the stage gets further, so that a failure reports all that was known by then.
-    report = RunReport(
-        subject=Subject(model_id=request.model_id, revision=request.revision, task=request.task, backend=backend.name),
-        provenance=Provenance(host=backend.settings.host_name, core_range=request.core_range),
-    )
+    report = stage_report(request, backend.name, backend.settings.host_name)
     try:
         checkpoint = download(
             request.model_id,
@@ -249,7 +245,7 @@ def verdict_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -
 # --- the judge stage -----------------------------------------------------------------------------------
 
 
-def judge_stage(settings: Settings, artifacts: Artifacts) -> RunReport:
+def judge_stage(settings: RunnerSettings, artifacts: Artifacts) -> RunReport:
     """Ask the configured judge about a sharded run's text and decide with its answer: the same rule, now with
     the judge's outcome.
 
@@ -274,15 +270,5 @@ def judge_stage(settings: Settings, artifacts: Artifacts) -> RunReport:
 
 
 def failed(report: RunReport, failure: RunFailure, verdict: Verdict = Verdict.ERROR, prefix: str = "") -> RunReport:
-    """The report of a stage that ended with ``failure``: its class, message and (ERROR) signature, and the
-    graphs the accelerator's compiler built when the failure says and the report does not already."""
-    ended = Failure(error_class=failure.error_class, error_message=prefix + failure.message)
-    if verdict == Verdict.ERROR:
-        signature = error_signature(failure.error_class, prefix + failure.cause, failure.trace, report.subject.model_id)
-        ended = ended.model_copy(update={"failure_signature": signature.text, "signature_id": signature.id})
-    resources = report.resources
-    if resources.graphs_compiled is None:
-        resources = resources.model_copy(update={"graphs_compiled": failure.graphs_compiled})
-    # a run that did not end in a verdict has no speed to report (a PASS's alone is kept)
-    update = {"verdict": verdict, "failure": ended, "resources": resources, "performance": Performance()}
-    return report.model_copy(update=update)
+    """The report of a stage that ended with ``failure`` (``services.runner.failures.failure_report``)."""
+    return failure_report(report, failure, verdict, prefix)

@@ -158,9 +158,9 @@ def become(request: ForkRequest, log_fd: int | None, user: RunAs | None, request
         # torch sized its thread pool from the zygote's CPUs when it was imported: a fresh interpreter would
         # have seen this child's
         torch.set_num_threads(len(os.sched_getaffinity(0)))
-    from shared.settings import get_settings
+    from shared.settings import get_runner_settings
 
-    get_settings.cache_clear()  # read from this child's environment when first asked
+    get_runner_settings.cache_clear()  # read from this child's environment when first asked
     sys.argv = [request.module, *request.args]
     runpy.run_module(request.module, run_name="__main__", alter_sys=True)
 

@@ -1,10 +1,10 @@
 """`python -m services.worker`: start a worker of either stage for this machine's backend.
 
 With `--cores A-B` (the default is core 0) it runs accelerator stages on that core group: it asks a runner
-child which compiler and library versions this machine serves (the worker itself never imports torch),
-consumes the queue for that compiler version and core-group size, registers in the `workers` table, and
-runs one job at a time. With `--verdict` it runs verdict stages on the host's CPUs, unpinned, from this
-host's verdict queue.
+child which software stack this machine serves (compiler, torch, TorchNeuron, Neuron runtime and library
+versions; the worker itself never imports torch), consumes the queue for that stack and core-group size,
+registers in the `workers` table, and runs one job at a time, only of its own stack. With `--verdict` it runs
+verdict stages on the host's CPUs, unpinned, from this host's verdict queue.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from services.worker.celery_app import app
 from shared.contracts.handoffs import write_model
 from shared.contracts.run import RuntimeInfo
 from shared.cores import CoreGroup
-from shared.installed import installed_version
+from shared.installed import NEURON_RUNTIME_PACKAGE, debian_package_version, installed_version
 from shared.isolation import IsolationUnavailable, prepare
 from shared.jobs.queues import job_queue, verdict_queue
 from shared.settings import Settings, child_environment, get_settings
@@ -31,10 +31,12 @@ RUNTIME_PACKAGES = ("torch", "transformers", "neuronx-cc", "torch-neuronx")
 def describe_runtime(settings: Settings) -> RuntimeInfo:
     """What this machine serves, asked of a runner child (the worker never imports torch) once per host and
     installation: the answer is kept under the data dir, keyed by all it depends on — the backend, the cpu
-    backend's dynamo backend and dtype, the interpreter, the runtime packages' installed versions — so that the next
-    worker starts without importing torch at all."""
+    backend's dynamo backend and dtype, the interpreter, the runtime packages' installed versions (the Neuron
+    runtime's too) — so that the next worker starts without importing torch at all."""
     parts = [settings.backend, settings.cpu_compile_backend, settings.cpu_dtype, sys.executable]
     parts += [f"{dist}={installed_version(dist)}" for dist in RUNTIME_PACKAGES]
+    if settings.backend == "neuron":  # the runtime library is an apt package: part of the stack a worker serves
+        parts.append(f"{NEURON_RUNTIME_PACKAGE}={debian_package_version(NEURON_RUNTIME_PACKAGE)}")
     cached = settings.data_dir / "runtimes" / f"{hashlib.sha256(chr(0).join(parts).encode()).hexdigest()[:16]}.json"
     if cached.exists():
         return RuntimeInfo.model_validate_json(cached.read_text())
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cores.end >= settings.host_cores:
             parser.error(f"cores {args.cores} lie outside this host's {settings.host_cores} (SUPPORTMATRIX_HOST_CORES)")
         runtime = describe_runtime(settings)
-        queue = job_queue(runtime.backend, runtime.compiler_version, cores=args.cores.size)
+        queue = job_queue(runtime.backend, runtime.stack(), cores=args.cores.size)
         registry.configure(registry.Identity(queue=queue, runtime=runtime, group=args.cores))
         name = args.name or f"cores-{args.cores}"
     print(f"serving {queue}", flush=True)

@@ -31,8 +31,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from shared.contracts.run import CORE_SIZES
 from shared.cores import CoreGroup
-from shared.hub.sizing import CORE_SIZES
 
 SPARE_GROUPS = 2  # idle 1-core groups a host keeps beyond its backlog (rule 3)
 PATIENCE_FLOOR_S = 30.0  # rule 1's patience while no durations are known
@@ -85,11 +85,11 @@ def place(total_cores: int, counts: Mapping[int, int], keep: Iterable[CoreGroup]
                 taken[c] = True
     for size in sorted(remaining, reverse=True):
         for _ in range(remaining[size]):
-            group = _tightest_free_block(taken, size)
-            if group is None:
+            free = _tightest_free_block(taken, size)
+            if free is None:
                 return None
-            layout.append(group)
-            for c in group.cores:
+            layout.append(free)
+            for c in free.cores:
                 taken[c] = True
     return sorted(layout)
 
@@ -161,7 +161,8 @@ def plan_host(state: HostState) -> HostPlan:
     left_out = state.workers - set(layout)
     drain = sorted(left_out - starting_idle)  # a starting idle worker left out drains at a later plan
     held = set(state.draining) | left_out  # cores freed only when those workers exit
-    start, waiting = [], []
+    start: list[CoreGroup] = []
+    waiting: list[CoreGroup] = []
     for group in layout:
         if group not in state.workers:
             (waiting if overlaps(group, held) else start).append(group)

@@ -39,6 +39,11 @@ def configure(identity: Identity) -> None:
     _identity = identity
 
 
+def served() -> Identity | None:
+    """What this worker serves: its queue and, for a core-group worker, its runtime (None outside a worker)."""
+    return _identity
+
+
 def core_group() -> CoreGroup:
     """The cores this worker owns; one core (core 0) for a worker started without a core group."""
     return _identity.group if _identity and _identity.group else CoreGroup(0, 1)
@@ -64,7 +69,7 @@ def start(name: str) -> None:
                     heartbeat_at=utcnow(),
                 )
             )
-        mark_queue_live(session, identity.queue)
+        mark_queue_live(session, identity.queue, runtime=identity.runtime)
     _stop.clear()
     _thread = threading.Thread(target=_beat, args=(name, identity.queue), name="worker-heartbeat", daemon=True)
     _thread.start()

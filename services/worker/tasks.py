@@ -43,7 +43,7 @@ from shared.jobs.broker import (
     request_sweep,
 )
 from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
-from shared.jobs.lease import Claim, LeaseOwner, acquire_lease, heartbeat, release_for_verdict
+from shared.jobs.lease import Claim, LeaseOwner, acquire_lease, heartbeat, refuse_other_stack, release_for_verdict
 from shared.jobs.outcomes import finish, job_report
 from shared.jobs.queues import EXPORT_TASK, JUDGE_JOB_TASK, RECONCILE_TASK, RUN_JOB_TASK, SWEEP_TASK, verdict_queue
 from shared.jobs.reconcile import claim_sweep
@@ -112,6 +112,30 @@ def claim(task: Any, job_id: int, owner: str, settings: Settings, stage: Stage) 
     return None, f"not ours: finished, cancelled or past the {stage.value} stage"
 
 
+def refuse_other_stack_here(task: Any, job_id: int, settings: Settings) -> str | None:
+    """Why this worker does not run the job, when it is planned for another stack than this worker's
+    (``shared.jobs.lease.refuse_other_stack``), after sending its message to the job's own queue; None when it
+    may claim it. Checked before the lease, so that nothing of the job changes here. A database that does not
+    answer is retried later, as the claim is."""
+    identity = registry.served()
+    if identity is None or identity.runtime is None:  # not a core-group worker: nothing to compare with
+        return None
+    served = identity.runtime.stack()
+    try:
+        with session_scope() as session:
+            refusal = refuse_other_stack(session, job_id, served, identity.queue, settings)
+    except DB_ERRORS as exc:
+        raise task.retry(countdown=max(2 * settings.heartbeat_interval_s, 1.0), exc=exc) from exc
+    if refusal is None:
+        return None
+    if refusal.resend_to is not None:
+        # Sent before this delivery is acknowledged: a broker that refuses fails the task, and the reconciler
+        # re-sends the still-queued job to its own queue.
+        enqueue_job(app, job_id, refusal.resend_to)
+    logger.warning("refused: %s", refusal.said)
+    return f"refused: {refusal.said}"
+
+
 def artifact_dir(settings: Settings, job_id: int) -> Path:
     return settings.data_dir / "artifacts" / f"job-{job_id}"
 
@@ -172,6 +196,9 @@ def _stage_request(job: Job, stage: Stage, artifacts: Artifacts, core_range: str
 def run_job(self: Any, job_id: int) -> str:
     """The accelerator stage, on this worker's core group."""
     settings = get_settings()
+    refused = refuse_other_stack_here(self, job_id, settings)
+    if refused is not None:
+        return refused
     owner = lease_owner(self.request.hostname, settings)
     job, spent = claim(self, job_id, owner, settings, Stage.accelerator)
     if job is None:
@@ -191,7 +218,7 @@ def run_job(self: Any, job_id: int) -> str:
     if report.verdict is not None:  # it ended here: ERROR, or SKIPPED as too large
         return _write_result(job_id, owner, report, artifacts, settings)
     queue = verdict_queue(settings.host_name)
-    released = durably(settings, lambda s: release_for_verdict(s, job_id, owner, queue, _torch_version(report)))
+    released = durably(settings, lambda s: release_for_verdict(s, job_id, owner, queue))
     if not released:
         shutil.rmtree(artifacts.root, ignore_errors=True)
         return "lease lost after the accelerator stage; nothing written"
@@ -210,8 +237,8 @@ def judge_job(self: Any, job_id: int) -> str:
     artifacts = Artifacts(artifact_dir(settings, job_id))
     if not artifacts.accelerator.exists():
         message = f"the accelerator stage's artifacts are missing from {artifacts.root} on {settings.host_name}"
-        report = job_report(job, Verdict.ERROR, ErrorClass.internal, message)
-        return _write_result(job_id, owner, report, artifacts, settings)
+        missing = job_report(job, Verdict.ERROR, ErrorClass.internal, message)
+        return _write_result(job_id, owner, missing, artifacts, settings)
     artifacts.verdict.unlink(missing_ok=True)  # a lost attempt's output is not this attempt's
     _hand_over_stored_reference(artifacts, settings)
     keep_lease = _lease_keeper(job_id, owner, settings)
@@ -234,10 +261,6 @@ def judge_job(self: Any, job_id: int) -> str:
         shutil.rmtree(artifacts.root, ignore_errors=True)
         return "lease lost: cancelled or taken over; nothing written"
     return _write_result(job_id, owner, report, artifacts, settings)
-
-
-def _torch_version(report: RunReport) -> str:
-    return (report.runtime.torch_version if report.runtime else None) or ""
 
 
 def _hand_over_stored_reference(artifacts: Artifacts, settings: Settings) -> None:

@@ -117,9 +117,46 @@ class JudgeKind(StrEnum):
     openai = "openai"  # any OpenAI-compatible chat endpoint
 
 
+class SweepView(StrEnum):
+    """One of a sweep's lists of a task's models, in the order a sweep makes them (``shared.jobs.sweeps``)."""
+
+    selected = "selected"  # the configured selection, in its order
+    trending = "trending"  # the Hub's top by trending score
+    downloads = "downloads"  # the Hub's top by downloads
+
+
+class Fault(StrEnum):
+    """A fault planted in the cpu backend's accelerator run, for tests and benches (``services/runner/faults.py``
+    says what each does)."""
+
+    perturb_shard = "perturb_shard"
+    skip_allreduce = "skip_allreduce"
+    drop_layer = "drop_layer"
+    scale_shard_1pct = "scale_shard_1pct"
+    scale_shard_10pct = "scale_shard_10pct"
+    zero_head = "zero_head"
+    rotary_base = "rotary_base"
+    cache_position = "cache_position"
+    permute_experts = "permute_experts"
+    late_corruption = "late_corruption"
+    late_nan = "late_nan"
+    swap_token = "swap_token"
+    swap_near_tie = "swap_near_tie"
+    slow_decode = "slow_decode"
+    wrong_pooling = "wrong_pooling"
+
+
 class CompilerName(StrEnum):
     inductor = "inductor"
     neuronx_cc = "neuronx-cc"
+
+
+class Axis(StrEnum):
+    """What a diff compares (``shared.results.cells.diff``): the API's, the page's and the CLI's one spelling."""
+
+    compiler = "compiler"  # the accelerator stack moves (compiler, torch, TorchNeuron, runtime); transformers stays
+    library = "library"  # transformers moves; the rest of the stack stays
+    stack = "stack"  # whole stacks, by their digests (the stack-<digest> of queue and file names)
 
 
 class Scope(StrEnum):

@@ -7,6 +7,7 @@ stage and stores the new one it finds there after.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,29 @@ from pydantic import BaseModel, Field
 from shared.contracts.evidence import Evidence
 from shared.contracts.report import Output, Performance, Placement, Resources, RunReport, Timings
 from shared.contracts.run import LIBRARY, RuntimeInfo
+
+
+class Routing(BaseModel):
+    """A MoE's routing over one sequence: the experts each position chose at each MoE layer (positions x layers x k,
+    the layers in depth order; -1: no expert, the router did not run) and, for the reference's, each router's top
+    k+8 logits, best first, and their experts (positions x layers x k+8): the margin of a flip is read between the
+    experts that really swapped (``shared.results.verdict.routing_flips``)."""
+
+    experts: list[list[list[int]]]
+    top_logits: list[list[list[float]]] | None = None
+    top_experts: list[list[list[int]]] | None = None
+    prompt_positions: int  # the prompt's: position prompt_positions - 1 + i chose generated token i
+
+    def smallest_margins(self, k: int) -> list[float] | None:
+        """The reference's smallest k-th-minus-(k+1)-th router logit gap over the layers, at each position: what the
+        row's ``routing_margin`` and a step's ``routing_margin`` describe (the rule reads the flips, not these)."""
+        if self.top_logits is None or self.top_experts is None:
+            return None
+        return [  # a layer whose router did not run (-1) has no margin
+            min((top[k - 1] - top[k] for top, ids in zip(layers, chosen, strict=True) if len(top) > k and ids[0] >= 0),
+                default=math.inf)
+            for layers, chosen in zip(self.top_logits, self.top_experts, strict=True)
+        ]  # fmt: skip
 
 
 class AcceleratorData(BaseModel):
@@ -33,6 +57,9 @@ class AcceleratorData(BaseModel):
     runtime: RuntimeInfo | None = None
     long_token_ids: list[int] | None = None  # the long generation's tokens (None: not run)
     long_finite: bool | None = None
+    # MoE: the experts the compiled run chose at each position its forward ran (the prompt's, then each generated
+    # token's but the last), what the verdict compares with the reference's routing on the same prefix
+    routing: Routing | None = None
     performance: Performance = Field(default_factory=Performance)  # the timed generations (empty: not run)
 
 

@@ -4,7 +4,8 @@ it failed — the way optimum-benchmark's report is composed of its measurements
 Each field is declared once, here. A result row (``shared.db.models.Result``) has a column per field of the
 parts in ``ROW_PARTS`` and the report's own ``verdict_reason``; the flat record of the API and Parquet
 (``shared.results.records.ResultRecord``) is the job's identity followed by those columns. Adding a field to a
-part is one edit here and a migration.
+part is one edit here and a migration, and a new ``SCHEMA_VERSION`` of the published record (the columns it had are
+pinned: ``tests/test_records.py::test_a_change_of_the_published_columns_raises_the_schema_version``).
 """
 
 from __future__ import annotations

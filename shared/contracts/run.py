@@ -7,12 +7,14 @@ are all derived from it (``to_argv`` / ``from_argv``), so a flag is spelled once
 from __future__ import annotations
 
 import argparse
+import hashlib
+import re
 import shlex
 import types
 import typing
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,13 +23,16 @@ from shared.contracts.fields import Str16, Str32, Str64, Str100
 
 LIBRARY = "transformers"
 RUNNER_MODULE = "services.runner"
+# The core-group sizes a job may ask for and sizing hands out: the widths a model is sharded over.
+CoreCount = Literal[1, 2, 4, 8, 16]
+CORE_SIZES: tuple[CoreCount, ...] = get_args(CoreCount)
 
 
 class RuntimeVersions(BaseModel):
     """The versions of what ran, as the runner found them installed: the part of a runtime a result row keeps.
 
-    A release of any but the compiler's build string is a new test (``IDENTITY_VERSIONS``): a TorchNeuron build on
-    the same neuronx-cc, or another runtime library, is never "already tested".
+    A release of any but the compiler's build string is a new test (``IDENTITY_VERSIONS``, the ``Stack``): a
+    TorchNeuron or torch build on the same neuronx-cc, or another runtime library, is never "already tested".
     """
 
     compiler_version: Str100  # as published: what users type (neuronx-cc's package version, inductor-<torch>)
@@ -40,6 +45,53 @@ class RuntimeVersions(BaseModel):
     compiler_build: Str100 = ""
 
 
+class Stack(BaseModel):
+    """The whole software stack a job is planned for and runs on: neuronx-cc (or inductor-<torch>), torch,
+    TorchNeuron, the Neuron runtime and transformers, by version ("" where a backend has none: the Neuron fields on
+    cpu, or a torch no runner has said). It routes a job (its queue), keys its cell, its diff and its Parquet file,
+    and a worker runs only the jobs of its own."""
+
+    model_config = ConfigDict(frozen=True)
+
+    compiler_version: Str100
+    torch_version: Str64 = ""
+    torch_neuronx_version: Str64 = ""
+    neuron_runtime_version: Str64 = ""
+    library_version: Str64
+
+    @property
+    def digest(self) -> str:
+        """A short name of the stack, stable across processes and releases of this code: the first
+        ``STACK_DIGEST_LENGTH`` hex digits of the SHA-256 of its versions in field order, each followed by a
+        newline. Queue and file names carry it, so that they stay short and safe whatever a version holds."""
+        text = "".join(f"{getattr(self, name)}\n" for name in type(self).model_fields)
+        return hashlib.sha256(text.encode()).hexdigest()[:STACK_DIGEST_LENGTH]
+
+    @property
+    def name(self) -> str:
+        """``stack-<digest>``: the stack in queue and file names."""
+        return f"{STACK_NAME_PREFIX}{self.digest}"
+
+    def label(self) -> str:
+        """The stack as a person reads it: every version that is not empty, by its package's name."""
+        parts = zip(STACK_PACKAGES, (getattr(self, name) for name in type(self).model_fields), strict=True)
+        return " · ".join(f"{package} {version}" for package, version in parts if version)
+
+
+STACK_DIGEST_LENGTH = 12  # 48 bits: no two of a fleet's handful of stacks share one
+STACK_NAME_PREFIX = "stack-"  # before the digest in a stack's name (``Stack.name``)
+# Each stack field's package, as users name it (``Stack.label``); the compiler's is the backend's.
+STACK_PACKAGES = ("compiler", "torch", "torch-neuronx", "neuron-runtime", LIBRARY)
+# The versions that make a job another test: with the model, task, test config and cores, its identity.
+IDENTITY_VERSIONS = tuple(Stack.model_fields)
+
+
+def safe_name(part: str) -> str:
+    """A version, library or host name as one part of a queue or file name: versions like "2.21.33363.0+6dfecc895"
+    and host names are kept as they are; anything odd is flattened to "_"."""
+    return re.sub(r"[^A-Za-z0-9.+_-]", "_", part)
+
+
 class RuntimeInfo(RuntimeVersions):
     """What runs a job: the backend, its compiler, the library, and their versions. A job's identity, and what a
     worker serves."""
@@ -48,9 +100,17 @@ class RuntimeInfo(RuntimeVersions):
     compiler_name: Str32
     library: Str64 = LIBRARY
 
+    def stack(self) -> Stack:
+        """The versions that route this runtime's jobs and key their results (a torch nobody said is "")."""
+        return stack_of(self)
 
-# The versions that make a job another test: with the model, task, test config and cores, its identity.
-IDENTITY_VERSIONS = ("compiler_version", "library_version", "torch_neuronx_version", "neuron_runtime_version")
+
+def stack_of(source: object) -> Stack:
+    """The stack of anything that has its fields as attributes (a ``RuntimeInfo``, a job or worker row, a SQL row
+    of its columns): the one place where a version nobody said (None) becomes the stack's "" ."""
+    return Stack(**{name: getattr(source, name) or "" for name in IDENTITY_VERSIONS})
+
+
 # The runtime fields a stored CPU reference depends on (the rest say what compiled the accelerator run).
 LIBRARY_FIELDS = ("library", "library_version", "torch_version")
 
@@ -67,7 +127,7 @@ class RunRequest(BaseModel):
     )
     backend: BackendName | None = Field(None, description="default: SUPPORTMATRIX_BACKEND")
     task: Task = Field(Task.text_generation, description="what is run and how it is compared")
-    cores: Literal[1, 2, 4, 8, 16] | None = Field(None, description="shard over this many cores (default: sized)")
+    cores: CoreCount | None = Field(None, description="shard over this many cores (default: sized)")
     trust_remote_code: bool = Field(False, description="run the repo's own code (its *.py), at the pinned commit")
     core_range: str | None = Field(None, description="the cores this run is pinned to, recorded as provenance")
     stage: Stage = Field(Stage.full, description="the whole test, or one stage of a job")

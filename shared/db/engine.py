@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 from pydantic_core import from_json
@@ -44,7 +44,7 @@ def make_engine(url: str, io_timeout_s: float = 10.0) -> sa.Engine:
         )
 
         @sa.event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+        def _sqlite_pragmas(dbapi_conn, _record) -> None:
             # WAL lets the API read while a worker writes; foreign keys are off by default in SQLite.
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
@@ -125,3 +125,9 @@ def session_scope() -> Iterator[Session]:
     """A session that commits on success and rolls back on error."""
     with new_session() as session, session.begin():
         yield session
+
+
+def rows_changed(session: Session, statement: sa.Executable) -> int:
+    """How many rows an UPDATE or DELETE changed. ``Session.execute`` is typed as returning a ``Result``, which has no
+    ``rowcount``: what it returns for a statement that changes rows is a ``CursorResult``."""
+    return cast(sa.CursorResult[Any], session.execute(statement)).rowcount

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 from enum import StrEnum
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from pydantic.fields import FieldInfo
@@ -13,7 +14,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from shared.contracts.enums import ACTIVE_STATES, ErrorClass, JobState, Scope, SweepState, Verdict
 from shared.contracts.fields import FieldShape, shape_of
 from shared.contracts.report import row_fields
-from shared.contracts.run import IDENTITY_VERSIONS, LIBRARY, LIBRARY_FIELDS, RuntimeInfo
+from shared.contracts.run import IDENTITY_VERSIONS, LIBRARY, LIBRARY_FIELDS, STACK_DIGEST_LENGTH, RuntimeInfo, stack_of
 
 
 def utcnow() -> dt.datetime:
@@ -64,13 +65,14 @@ def sql_type(shape: FieldShape) -> sa.types.TypeEngine[Any]:
         return sa.String(shape.max_length) if shape.max_length else sa.Text()
     if shape.kind is int:
         return sa.Integer() if shape.int32 else sa.BigInteger()
-    return {bool: sa.Boolean(), float: sa.Double()}[shape.kind]
+    scalars: dict[type, sa.types.TypeEngine[Any]] = {bool: sa.Boolean(), float: sa.Double()}
+    return scalars[shape.kind]
 
 
 def columns_mixin(name: str, fields: dict[str, tuple[FieldInfo, bool]], **server_defaults: str) -> type:
     """A mixin with a column per record field, typed from its annotation (``sql_type``): the field is declared
-    once, in ``shared.contracts``. ``fields`` maps each column to its field and whether it may be NULL. Its
-    columns are untyped to a static checker: read them as the record's fields."""
+    once, in ``shared.contracts``. ``fields`` maps each column to its field and whether it may be NULL. A static
+    checker sees its columns in the stub ``shared/db/derived_columns.pyi``, generated from the same fields."""
     columns = {
         column: mapped_column(
             sql_type(shape_of(info)),
@@ -88,25 +90,34 @@ TOKEN_NAME_WIDTH = 64  # an API token's name, and the columns that record which 
 # The library and torch a row ran with (a stored reference depends on these, not on the compiler): NOT NULL, as a
 # job's and a worker's identity (a job settled before any runner said has an empty torch version).
 _RUNTIME = {name: (info, False) for name, info in RuntimeInfo.model_fields.items()}
-LibraryIdentity = columns_mixin(
-    "LibraryIdentity", {n: _RUNTIME[n] for n in LIBRARY_FIELDS}, library=LIBRARY, torch_version=""
-)
+LIBRARY_COLUMNS = {n: _RUNTIME[n] for n in LIBRARY_FIELDS}
+RUNTIME_COLUMNS = {n: f for n, f in _RUNTIME.items() if n not in LIBRARY_FIELDS}
+# A result row's column per field of its report's parts (``RunReport``, declared there once).
+REPORT_COLUMNS = {f.name: (f.info, f.optional) for f in row_fields()}
+
+if TYPE_CHECKING:
+    # The mixins' columns as a type checker sees them: generated from the maps above (shared/results/type_stubs.py)
+    from shared.db.derived_columns import LibraryIdentity, ReportColumns, RuntimeColumns
+else:
+    LibraryIdentity = columns_mixin("LibraryIdentity", LIBRARY_COLUMNS, library=LIBRARY, torch_version="")
+    RuntimeColumns = columns_mixin(
+        "RuntimeColumns", RUNTIME_COLUMNS, torch_neuronx_version="", neuron_runtime_version="", compiler_build=""
+    )
+    ReportColumns = columns_mixin("ReportColumns", REPORT_COLUMNS)
 
 
-class RuntimeIdentity(  # type: ignore[misc]
-    columns_mixin(
-        "RuntimeColumns",
-        {n: f for n, f in _RUNTIME.items() if n not in LIBRARY_FIELDS},
-        torch_neuronx_version="",
-        neuron_runtime_version="",
-        compiler_build="",
-    ),
-    LibraryIdentity,
-):
+class RuntimeIdentity(RuntimeColumns, LibraryIdentity):
     """The fields that say what runs a job, equal to ``RuntimeInfo``'s: one home for jobs and workers."""
 
     def runtime(self) -> RuntimeInfo:
         return RuntimeInfo.model_validate(self, from_attributes=True)
+
+
+def _stack_digest_of_row(context: Any) -> str:
+    """A new job row's stack digest (``Stack.digest``), from the stack's columns it is inserted with: stored so that
+    the stack axis of a diff reads through an index (ix_jobs_diff_stack) rather than every row's five versions."""
+    values = context.get_current_parameters()
+    return stack_of(SimpleNamespace(**{name: values.get(name) for name in IDENTITY_VERSIONS})).digest
 
 
 class Job(RuntimeIdentity, Base):
@@ -125,6 +136,10 @@ class Job(RuntimeIdentity, Base):
     # schedule's sweeps. A submit token cancels only its own jobs.
     submitted_by: Mapped[str | None] = mapped_column(sa.String(TOKEN_NAME_WIDTH))
     cores: Mapped[int] = mapped_column(default=1)
+    # The digest of its stack (``Stack.digest``): written as the row is inserted, never changed (a job keeps its stack)
+    stack_digest: Mapped[str] = mapped_column(
+        sa.String(STACK_DIGEST_LENGTH), default=_stack_digest_of_row, server_default=""
+    )
     queue: Mapped[str] = mapped_column(sa.String(200))
     state: Mapped[JobState] = mapped_column(enum_column(JobState), default=JobState.queued, index=True)
     attempts: Mapped[int] = mapped_column(default=0)  # deliveries of the accelerator stage
@@ -153,6 +168,7 @@ class Job(RuntimeIdentity, Base):
         # A diff's page: one version's cells in key order (shared.results.cells.diff), for each axis.
         sa.Index("ix_jobs_diff_compiler", "compiler_version", "model_id", "task", "library_version"),
         sa.Index("ix_jobs_diff_library", "library_version", "model_id", "task", "compiler_version"),
+        sa.Index("ix_jobs_diff_stack", "stack_digest", "model_id", "task"),
         # What /metrics reads at every scrape (bench/metrics_scrape.py measures them at 1 M rows): stage
         # durations of jobs past their accelerator stage, redeliveries and re-sends.
         sa.Index(
@@ -187,9 +203,7 @@ class Job(RuntimeIdentity, Base):
     )
 
 
-class Result(  # type: ignore[misc]
-    columns_mixin("ReportColumns", {f.name: (f.info, f.optional) for f in row_fields()}), Base
-):
+class Result(ReportColumns, Base):
     """A finished test: its verdict, and a column per field of its report's parts (``RunReport``, declared there
     once; ``columns_mixin`` types them)."""
 
@@ -251,12 +265,15 @@ class Worker(RuntimeIdentity, Base):
 
 class QueueSeen(Base):
     """When each job queue last had a live worker: a queue nobody has served for too long ends its jobs
-    ERROR(no_worker) instead of letting them wait forever."""
+    ERROR(no_worker) instead of letting them wait forever. A job queue's row keeps the runtime its workers serve, so
+    that a fleet scaled to zero is planned for the stacks it served last (``shared.jobs.runtimes``)."""
 
     __tablename__ = "queues_seen"
 
     queue: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
     last_live_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    # A RuntimeInfo as JSON (read back through it); None for a verdict queue, or a row older than migration 0016.
+    runtime: Mapped[dict[str, Any] | None] = mapped_column(sa.JSON)
 
 
 class Sweep(Base):
@@ -289,7 +306,7 @@ class SweepEntry(Base):
     sweep_id: Mapped[int] = mapped_column(sa.ForeignKey("sweeps.id", ondelete="CASCADE"), index=True)
     model_id: Mapped[str] = mapped_column(sa.String(200))
     task: Mapped[str] = mapped_column(sa.String(64))
-    view: Mapped[str] = mapped_column(sa.String(16))  # trending, downloads, selected
+    view: Mapped[str] = mapped_column(sa.String(16))  # a SweepView, or "rerun" (shared.jobs.sweeps.Candidate)
     rank: Mapped[int]
     job_id: Mapped[int | None] = mapped_column(sa.ForeignKey("jobs.id", ondelete="SET NULL"))
     created: Mapped[bool] = mapped_column(default=False)  # a new job, rather than an existing one

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from cachetools import TTLCache
 from huggingface_hub import HfApi, hf_hub_download, set_client_factory
@@ -22,6 +22,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+from shared.contracts.enums import SweepView
 from shared.hub.sizing import ModelShape, config_dtype, parameters_from_file_sizes, shape_from_config
 from shared.settings import get_settings
 
@@ -38,6 +39,10 @@ def _transport_errors() -> tuple[type[Exception], ...]:
 
 
 TRANSPORT_ERRORS = _transport_errors()
+# The Hub out of reach (connection refused, DNS, timeouts), and what a listing may raise. Each is a tuple with its
+# type written: mypy reads no starred tuple in an ``except`` clause.
+UNREACHABLE: tuple[type[Exception], ...] = (OSError, *TRANSPORT_ERRORS)
+_LISTING_ERRORS: tuple[type[Exception], ...] = (HfHubHTTPError, *UNREACHABLE)
 
 # The Hub's repo-id grammar, narrowed to "org/name": letters, digits, '-', '_', '.', at most 96 each,
 # not starting or ending with '-' or '.', no '--' or '..'.
@@ -139,7 +144,7 @@ def _fetch_model_info(model_id: str, revision: str | None, timeout_s: float) -> 
         if status == 404:
             raise ModelNotFound(f"{model_id} does not exist on the Hub, or is private") from exc
         raise HubUnavailable(f"the Hub answered {status or '?'}") from exc
-    except (OSError, *TRANSPORT_ERRORS) as exc:  # connection refused, DNS, timeouts
+    except UNREACHABLE as exc:
         raise HubUnavailable(f"the Hub is unreachable: {exc.__class__.__name__}: {exc}") from exc
     if not info.sha:
         raise HubUnavailable(f"the Hub gave no commit sha for {model_id}")
@@ -155,24 +160,30 @@ def _fetch_model_info(model_id: str, revision: str | None, timeout_s: float) -> 
     )
 
 
+# The sweep views the Hub ranks, each by its sort (list_models' sort, also the score's ModelInfo attribute); the
+# selected view is the configured list, not the Hub's.
+HubSort = Literal["trending_score", "downloads"]  # the sorts list_models takes that these views use
+HUB_RANKINGS: dict[SweepView, HubSort] = {SweepView.trending: "trending_score", SweepView.downloads: "downloads"}
+
+
 @dataclass(frozen=True)
 class Listed:
     model_id: str
-    view: str  # trending or downloads
+    view: SweepView  # one of HUB_RANKINGS
     rank: int  # 1-based
 
 
-def list_top(pipeline_tags: Sequence[str], view: str, limit: int) -> list[Listed]:
-    """The Hub's top ``limit`` models over ``pipeline_tags`` (one task's) by trending score or downloads: one
+def list_top(pipeline_tags: Sequence[str], view: SweepView, limit: int) -> list[Listed]:
+    """The Hub's top ``limit`` models over ``pipeline_tags`` (one task's) by ``view``'s score (``HUB_RANKINGS``): one
     ranking — each tag's top ``limit`` merged by the score the Hub sorted them by, a model listed under two tags
     once — as the Hub's model pages rank them."""
-    sort = {"trending": "trending_score", "downloads": "downloads"}[view]  # also the score's ModelInfo attribute
+    sort = HUB_RANKINGS[view]
     scored: dict[str, float] = {}
     try:
         for tag in pipeline_tags:
             for m in HfApi().list_models(pipeline_tag=tag, sort=sort, limit=limit):
                 scored[m.id] = max(scored.get(m.id, 0.0), float(getattr(m, sort) or 0))
-    except (HfHubHTTPError, OSError, *TRANSPORT_ERRORS) as exc:
+    except _LISTING_ERRORS as exc:
         raise HubUnavailable(f"listing {', '.join(pipeline_tags)} by {view}: {exc}") from exc
     ranked = sorted(scored, key=lambda model_id: -scored[model_id])[:limit]  # stable: the Hub's order breaks ties
     return [Listed(model_id, view, rank) for rank, model_id in enumerate(ranked, start=1)]
@@ -245,7 +256,7 @@ def bound_hub_requests(timeout_s: float) -> None:
     # name, so it is wrapped rather than rebuilt.
     from huggingface_hub.utils._http import default_client_factory
 
-    def bounded_client():  # type: ignore[no-untyped-def]
+    def bounded_client():
         client = default_client_factory()
         client.timeout = timeout_s
         return client

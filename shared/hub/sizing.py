@@ -24,8 +24,8 @@ Memory needed per core when sharded over n cores:
 - activations: one step's hidden states and logits, fp32: (hidden * 4 + vocab) * positions * 4 bytes;
 - RUNTIME_RESERVE (2 GiB): the runtime's own buffers, loaded NEFFs and collectives scratch per core.
 
-The smallest n in {1, 2, 4, 8, 16} with per_core(n) ≤ the backend's memory per core wins, provided the
-model can be split n ways: a dense model's attention heads and KV heads divisible by n (tensor
+The smallest n of ``CORE_SIZES`` (powers of two, 1 to 16) with per_core(n) ≤ the backend's memory per core wins,
+provided the model can be split n ways: a dense model's attention heads and KV heads divisible by n (tensor
 parallel), a MoE model's experts divisible by n (expert parallel). Over 16 cores: too large.
 ``Sizing.per_core_bytes`` is per_core(n) at the chosen n: the predicted peak memory per core.
 """
@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from shared.contracts.enums import SHARDED_TASKS, ErrorClass, Task
+from shared.contracts.run import CORE_SIZES
 
 GIB = 1 << 30
-CORE_SIZES = (1, 2, 4, 8, 16)
 RUN_DTYPE = "bfloat16"  # trn2's, and cuda's
 FRAGMENTATION = 0.10
 RUNTIME_RESERVE = 2 * GIB

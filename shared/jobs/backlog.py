@@ -4,7 +4,9 @@ jobs and their lease owners, the hosts with a live worker, and how long recent a
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -39,17 +41,21 @@ def backlog_facts(session: Session, backend: str, live_since: dt.datetime, recen
         sa.select(Job.cores, Job.lease_owner).where(Job.backend == backend, Job.state == JobState.running)
     ).all()
     live = set(session.scalars(sa.select(Worker.host).where(Worker.heartbeat_at >= live_since).distinct()).all())
-    stages = session.execute(
-        sa.select(Job.cores, Job.started_at, Job.judging_at)
-        .where(
-            Job.backend == backend,
-            Job.state.in_((JobState.judging, JobState.done, JobState.failed)),
-            Job.started_at.is_not(None),
-            Job.judging_at.is_not(None),
-        )
-        .order_by(Job.id.desc())
-        .limit(recent)
-    ).all()
+    # Rows with both times: the WHERE leaves neither NULL.
+    stages = cast(
+        Sequence[tuple[int, dt.datetime, dt.datetime]],
+        session.execute(
+            sa.select(Job.cores, Job.started_at, Job.judging_at)
+            .where(
+                Job.backend == backend,
+                Job.state.in_((JobState.judging, JobState.done, JobState.failed)),
+                Job.started_at.is_not(None),
+                Job.judging_at.is_not(None),
+            )
+            .order_by(Job.id.desc())
+            .limit(recent)
+        ).all(),
+    )
     return BacklogFacts(
         queued=[Queued(int(cores), int(n), oldest) for cores, n, oldest in queued],
         running=[(int(cores), owner) for cores, owner in running],

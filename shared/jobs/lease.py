@@ -2,7 +2,8 @@
 
 A worker runs a stage only after an UPDATE that moves the job from the stage's waiting state (or a stale lease)
 to its running state under the worker's own name, so a second delivery of a running or finished job does nothing.
-The lease is kept by heartbeats; a lapsed one may be taken over, up to ``max_attempts`` deliveries.
+The lease is kept by heartbeats; a lapsed one may be taken over, up to ``max_attempts`` deliveries. Before any of
+that, a worker refuses a job planned for a software stack other than its own (``refuse_other_stack``).
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import ErrorClass, JobState, Stage, Verdict
+from shared.contracts.run import Stack, stack_of
+from shared.db.engine import rows_changed
 from shared.db.models import Job, utcnow
 from shared.jobs.attempts import Attempt, end_attempts, end_job_attempt
 from shared.jobs.outcomes import close_unattended, job_report
@@ -105,7 +109,8 @@ def acquire_lease(
         close_unattended(session, exhausted, job_report(exhausted, Verdict.ERROR, ErrorClass.worker_lost, message))
         return Claim.gone, None
     started = {"started_at": now} if stage == Stage.accelerator else {}
-    taken = session.execute(
+    taken = rows_changed(
+        session,
         sa.update(Job)
         .where(Job.id == job_id, takeable)
         .values(
@@ -115,8 +120,8 @@ def acquire_lease(
             **{rules.attempts.key: rules.attempts + 1},
             **started,
         )
-        .execution_options(synchronize_session=False)
-    ).rowcount
+        .execution_options(synchronize_session=False),
+    )
     job = session.get(Job, job_id, populate_existing=True)
     if taken:
         assert job is not None
@@ -130,21 +135,24 @@ def acquire_lease(
 def heartbeat(session: Session, job_id: int, owner: str) -> bool:
     """Extend the lease of either stage; False when it is no longer ours (cancelled, or taken over)."""
     return bool(
-        session.execute(
+        rows_changed(
+            session,
             sa.update(Job)
             .where(Job.id == job_id, Job.lease_owner == owner, Job.state.in_((JobState.running, JobState.judging)))
             .values(heartbeat_at=utcnow())
-            .execution_options(synchronize_session=False)
-        ).rowcount
+            .execution_options(synchronize_session=False),
+        )
     )
 
 
-def release_for_verdict(session: Session, job_id: int, owner: str, verdict_queue: str, torch_version: str) -> bool:
+def release_for_verdict(session: Session, job_id: int, owner: str, verdict_queue: str) -> bool:
     """The accelerator stage is done: running → judging, the lease and the cores released; the verdict stage
-    will be taken from ``verdict_queue`` (the queue of the host that holds the artifacts)."""
+    will be taken from ``verdict_queue`` (the queue of the host that holds the artifacts). The job keeps the stack
+    it was planned for: only a worker of that stack took it (``refuse_other_stack``)."""
     now = utcnow()
     released = bool(
-        session.execute(
+        rows_changed(
+            session,
             sa.update(Job)
             .where(Job.id == job_id, Job.lease_owner == owner, Job.state == JobState.running)
             .values(
@@ -154,11 +162,48 @@ def release_for_verdict(session: Session, job_id: int, owner: str, verdict_queue
                 judging_at=now,
                 enqueued_at=now,
                 verdict_queue=verdict_queue,
-                torch_version=torch_version,
             )
-            .execution_options(synchronize_session=False)
-        ).rowcount
+            .execution_options(synchronize_session=False),
+        )
     )
     if released:
         end_job_attempt(session, job_id, "done: released its cores for the verdict stage")
     return released
+
+
+class Refusal(NamedTuple):
+    """Why a worker does not take a job planned for another stack, and where its message goes instead."""
+
+    said: str
+    resend_to: str | None = None  # the job's own queue: send its message there (None: nothing to send)
+
+
+def refuse_other_stack(session: Session, job_id: int, served: Stack, queue: str, settings: Settings) -> Refusal | None:
+    """None when the job is planned for ``served``, the stack of the worker consuming ``queue`` (or is past its
+    accelerator stage, or gone: the claim says so); else why that worker must not run it, and what becomes of
+    it: never a silent drop, never a stuck job.
+
+    A job that still waits for a stage and has a queue of its own elsewhere is sent there: the delivery that met the
+    wrong worker ends, and its queue's workers take it. One planned for another stack whose own queue is this one (a
+    stack whose digest collides, or a row a migration did not rename) can never be served by it: while queued and
+    unleased, or running under a lease that lapsed (its holder is gone, and every delivery would meet this refusal
+    again, its attempts never growing), it ends now ERROR(no_worker), saying which stack it was planned for and
+    which the queue serves. Only a live lease is left to its holder.
+    """
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None or job.state not in (JobState.queued, JobState.running):  # past the accelerator stage, or gone
+        return None
+    planned = stack_of(job)
+    if planned == served:
+        return None
+    mismatch = f"job {job_id} is planned for {planned.label()}; {queue} serves {served.label()}"
+    if job.queue != queue:
+        return Refusal(f"{mismatch}: sent to its own queue {job.queue}", resend_to=job.queue)
+    stale = utcnow() - dt.timedelta(seconds=settings.lease_timeout_s)
+    unleased = job.state == JobState.queued and job.lease_owner is None
+    lapsed = job.state == JobState.running and (job.heartbeat_at is None or job.heartbeat_at < stale)
+    if unleased or lapsed:
+        message = f"{mismatch}, and it is the job's own queue: no worker there runs its stack"
+        close_unattended(session, job, job_report(job, Verdict.ERROR, ErrorClass.no_worker, message))
+        return Refusal(f"{mismatch}: ended ERROR({ErrorClass.no_worker.value})")
+    return Refusal(f"{mismatch}: left to its lease holder {job.lease_owner}")

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from shared.contracts.enums import ACTIVE_STATES, FINISHED_STATES, ErrorClass, JobState, Verdict
 from shared.contracts.report import Failure, Provenance, RunReport, Subject, row_values
+from shared.db.engine import rows_changed
 from shared.db.models import Job, Result, utcnow
 from shared.jobs.attempts import end_attempts, end_job_attempt
 from shared.results.signatures import error_signature, fail_signature
@@ -99,7 +100,8 @@ def _close(session: Session, job_id: int, condition: sa.ColumnElement[bool], rep
     assert report.verdict is not None, "a result needs a verdict"
     state = JobState.failed if report.verdict == Verdict.ERROR else JobState.done
     now = utcnow()
-    moved = session.execute(
+    moved = rows_changed(
+        session,
         sa.update(Job)
         .where(Job.id == job_id, condition)
         .values(
@@ -109,8 +111,8 @@ def _close(session: Session, job_id: int, condition: sa.ColumnElement[bool], rep
             error_class=report.failure.error_class,
             error_message=report.failure.error_message,
         )
-        .execution_options(synchronize_session=False)
-    ).rowcount
+        .execution_options(synchronize_session=False),
+    )
     if not moved:
         return False
     session.add(Result(job_id=job_id, **row_values(_with_signature(report))))

@@ -1,10 +1,11 @@
-"""Queue names and message ids, defined once. A job's accelerator stage goes to the queue of its compiler
-version and core-group size; its verdict stage to the verdict queue of the host that ran the accelerator stage."""
+"""Queue names and message ids, defined once. A job's accelerator stage goes to the queue of its software stack
+and core-group size; its verdict stage to the verdict queue of the host that ran the accelerator stage."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
+
+from shared.contracts.run import STACK_NAME_PREFIX, Stack, safe_name
 
 CONTROL_QUEUE = "supportmatrix.control"  # export and sweep tasks: the collector consumes it
 JOB_QUEUE_PREFIX = "supportmatrix.jobs"
@@ -17,14 +18,24 @@ SWEEP_TASK = "supportmatrix.sweep"
 RECONCILE_TASK = "supportmatrix.reconcile"
 
 
-def job_queue(backend: str, compiler_version: str, cores: int) -> str:
-    # Versions like "2.21.33363.0+6dfecc895" are safe Redis keys; anything odd is flattened anyway.
-    version = re.sub(r"[^A-Za-z0-9.+_-]", "_", compiler_version)
-    return f"{JOB_QUEUE_PREFIX}.{backend}.{version}.c{cores}"
+def job_queue(backend: str, stack: Stack, cores: int) -> str:
+    """``supportmatrix.jobs.<backend>.<compiler version>.stack-<digest>.c<cores>``: the compiler version for the
+    people who read queue names, the stack's name (``Stack.name``) so that two worker images on one compiler with
+    another torch, TorchNeuron, runtime or transformers never share a queue."""
+    return f"{JOB_QUEUE_PREFIX}.{backend}.{safe_name(stack.compiler_version)}.{stack.name}.c{cores}"
+
+
+def compiler_queues_like(backend: str, compiler_version: str, cores: int) -> str:
+    """The SQL ``LIKE`` pattern of the job queues of every stack on one compiler version and core-group size (what
+    the trn2-autoscaled overlay's KEDA triggers count: an image's exact stack is known only once it is built). The
+    one wildcard is the stack's digest: a ``_`` of the version (``safe_name`` flattens odd characters to it) is
+    escaped with PostgreSQL's default escape character, the backslash, so that it matches itself only."""
+    version = safe_name(compiler_version).replace("_", "\\_")
+    return f"{JOB_QUEUE_PREFIX}.{backend}.{version}.{STACK_NAME_PREFIX}%.c{cores}"
 
 
 def verdict_queue(host: str) -> str:
-    return f"{VERDICT_QUEUE_PREFIX}.{re.sub(r'[^A-Za-z0-9.+_-]', '_', host)}"
+    return f"{VERDICT_QUEUE_PREFIX}.{safe_name(host)}"
 
 
 def celery_task_id(job_id: int) -> str:

@@ -21,6 +21,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import ErrorClass, JobState, Stage, SweepState, Verdict
+from shared.contracts.run import RuntimeInfo
+from shared.db.engine import rows_changed
 from shared.db.models import Job, QueueSeen, Sweep, utcnow
 from shared.jobs.outcomes import close_unattended, job_report
 from shared.jobs.queues import Deliveries, celery_task_id, verdict_task_id
@@ -48,11 +50,17 @@ class Reconciled:
         )
 
 
-def mark_queue_live(session: Session, queue: str, now: dt.datetime | None = None) -> None:
-    """A live worker consumes ``queue`` (called from every worker's heartbeat)."""
+def mark_queue_live(
+    session: Session, queue: str, now: dt.datetime | None = None, runtime: RuntimeInfo | None = None
+) -> None:
+    """A live worker consumes ``queue`` (called from every worker's heartbeat); a core-group worker says, as it
+    starts, the runtime it serves there (``shared.jobs.runtimes.last_served_runtimes`` plans for it once no worker
+    is live)."""
     now = now or utcnow()
-    if not session.execute(sa.update(QueueSeen).where(QueueSeen.queue == queue).values(last_live_at=now)).rowcount:
-        session.merge(QueueSeen(queue=queue, last_live_at=now))
+    served = {"runtime": runtime.model_dump(mode="json")} if runtime is not None else {}
+    seen = sa.update(QueueSeen).where(QueueSeen.queue == queue).values(last_live_at=now, **served)
+    if not rows_changed(session, seen):
+        session.merge(QueueSeen(queue=queue, last_live_at=now, **served))
 
 
 def reconcile(
@@ -81,7 +89,10 @@ def reconcile(
         stage = Stage.verdict if job.state == JobState.judging else Stage.accelerator
         queue = job.verdict_queue if stage == Stage.verdict else job.queue
         assert queue is not None
-        since = seen.get(queue) or job.judging_at or job.created_at
+        # A job cannot go unserved before it (or its verdict stage) existed: a queue last live long ago — a fleet
+        # scaled to zero, whose next node KEDA is starting — counts from the job's own start, not from then.
+        began = (job.judging_at if stage == Stage.verdict else None) or job.created_at
+        since = max(seen.get(queue) or began, began)
         unserved = (now - since).total_seconds()
         if unserved > settings.no_worker_after_s:
             reason = (
@@ -126,10 +137,11 @@ def claim_sweep(session: Session, sweep_id: int, settings: Settings) -> bool:
         Sweep.state == SweepState.queued, sa.and_(Sweep.state == SweepState.running, Sweep.claimed_at < stale)
     )
     return bool(
-        session.execute(
+        rows_changed(
+            session,
             sa.update(Sweep)
             .where(Sweep.id == sweep_id, takeable)
             .values(state=SweepState.running, claimed_at=now, attempts=Sweep.attempts + 1)
-            .execution_options(synchronize_session=False)
-        ).rowcount
+            .execution_options(synchronize_session=False),
+        )
     )

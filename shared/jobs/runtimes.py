@@ -11,9 +11,9 @@ from cachetools import TTLCache, cached
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import CompilerName
-from shared.contracts.run import IDENTITY_VERSIONS, LIBRARY, RuntimeInfo
-from shared.db.models import Worker, utcnow
-from shared.installed import cpu_compiler, installed_version, neuron_versions
+from shared.contracts.run import LIBRARY, RuntimeInfo, Stack
+from shared.db.models import QueueSeen, Worker, utcnow
+from shared.installed import NEURON_RUNTIME_PACKAGE, cpu_compiler, installed_version, neuron_versions
 from shared.settings import Settings
 
 
@@ -51,7 +51,7 @@ RUNTIMES_SNAPSHOT_S = 1.0
 def live_runtimes(session: Session, settings: Settings) -> tuple[RuntimeInfo, ...]:
     """Distinct runtimes of live workers, as they were at most ``RUNTIMES_SNAPSHOT_S`` ago.
 
-    An identity (``IDENTITY_VERSIONS``: compiler, library, TorchNeuron and runtime versions) is served by the
+    A stack (``Stack``: compiler, torch, TorchNeuron, Neuron runtime and library versions) is served by the
     runtime of its first live worker by name, in that order. Read as the distinct runtime columns (with the first
     worker name of each), not as worker rows: a fleet has hundreds of workers and a handful of runtimes.
     """
@@ -62,32 +62,85 @@ def live_runtimes(session: Session, settings: Settings) -> tuple[RuntimeInfo, ..
         .group_by(*RUNTIME_COLUMNS)
         .order_by(first_worker)
     )
-    seen: dict[tuple[str, ...], RuntimeInfo] = {}
+    seen: dict[Stack, RuntimeInfo] = {}
     for _, *columns in session.execute(distinct):
         runtime = RuntimeInfo(**dict(zip(RuntimeInfo.model_fields, columns, strict=True)))
-        seen.setdefault(tuple(getattr(runtime, version) for version in IDENTITY_VERSIONS), runtime)
+        seen.setdefault(runtime.stack(), runtime)
     return tuple(seen.values())
 
 
 def served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
-    """The live workers' runtimes (``live_runtimes``), or the configured default when none is live."""
+    """The live workers' runtimes (``live_runtimes``); when none is live, those served last
+    (``last_served_runtimes``), else the configured default (``default_runtime``: NoRuntime when it cannot be
+    known here)."""
     live = live_runtimes(session, settings)
     if live:
         return list(live)
-    default = default_runtime(settings)
-    return [default] if default else []
+    last = last_served_runtimes(session, settings)
+    if last:
+        return last
+    return [default_runtime(settings)]
 
 
-def default_runtime(settings: Settings) -> RuntimeInfo | None:
-    """The runtime a job is planned for when no live worker says what it serves.
+def last_served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
+    """The runtimes of the backend's job queues last seen live, of the configured default compiler when one is set:
+    what a fleet scaled to zero serves again when it scales up (a stack a worker would refuse otherwise, since only the
+    worker knows its exact TorchNeuron and runtime builds). The fleet's last moment, as the newest queue's last live
+    time less a worker's staleness: a stack that stopped earlier is not served now. Newest first, a stack once."""
+    seen = session.execute(
+        sa.select(QueueSeen.runtime, QueueSeen.last_live_at)
+        .where(QueueSeen.runtime.is_not(None))
+        .order_by(QueueSeen.last_live_at.desc(), QueueSeen.queue)
+    ).all()
+    runtimes = [(RuntimeInfo.model_validate(runtime), at) for runtime, at in seen]
+    wanted = [
+        (runtime, at)
+        for runtime, at in runtimes
+        if runtime.backend == settings.backend and settings.default_compiler in (None, runtime.compiler_version)
+    ]
+    if not wanted:
+        return []
+    since = wanted[0][1] - dt.timedelta(seconds=settings.worker_stale_s)
+    served: dict[Stack, RuntimeInfo] = {}
+    for runtime, at in wanted:
+        if at >= since:
+            served.setdefault(runtime.stack(), runtime)
+    return list(served.values())
 
-    Read from package metadata so that the API never imports torch; None when it cannot be known here.
+
+# What an operator does when no stack can be planned (docs/kubernetes.md#planning-with-no-worker-live).
+NO_STACK_KNOWN = (
+    "start one worker of the fleet's image once, so that its queues are seen with the stack it serves, "
+    "then submit again"
+)
+
+
+def default_runtime(settings: Settings) -> RuntimeInfo:
+    """The runtime a job is planned for when no worker is live and no queue says the stack it served.
+
+    Read from package metadata so that the API never imports torch. NoRuntime, with the reason, when the whole stack
+    cannot be known here: a job planned for a guessed stack would wait on a queue no worker consumes and end
+    ERROR(no_worker). On neuron that is every API that runs without TorchNeuron and the Neuron runtime installed
+    (the cpu image): only a neuron worker knows its builds.
     """
     torch_version = installed_version("torch")
     library_version = installed_version(LIBRARY)
+    neuron = neuron_versions() if settings.backend == "neuron" else {}
     if settings.backend == "neuron":
         compiler_name = CompilerName.neuronx_cc.value
         compiler_version = settings.default_compiler or installed_version("neuronx-cc")
+        packages = {
+            "torch": torch_version,
+            "torch-neuronx": neuron["torch_neuronx_version"],
+            NEURON_RUNTIME_PACKAGE: neuron["neuron_runtime_version"],
+        }
+        unknown = [package for package, version in packages.items() if not version]
+        if compiler_version and library_version and unknown:
+            raise NoRuntime(
+                f"no neuron worker is live and none was seen with its stack: this API cannot know the stack of "
+                f"neuronx-cc {compiler_version} ({', '.join(unknown)} not installed here), and a job planned for "
+                f"a guessed one would find no worker; {NO_STACK_KNOWN}"
+            )
     elif settings.backend == "cpu" and torch_version and not settings.default_compiler:
         # what this host's cpu workers will serve (a job planned for another compiler would find no worker)
         compiler_name, compiler_version = cpu_compiler(settings.cpu_compile_backend, torch_version, settings.cpu_dtype)
@@ -95,23 +148,32 @@ def default_runtime(settings: Settings) -> RuntimeInfo | None:
         compiler_name = CompilerName.inductor.value
         compiler_version = settings.default_compiler or (torch_version and f"inductor-{torch_version}")
     if not (compiler_version and library_version):
-        return None
+        raise NoRuntime(
+            f"no live worker serves a compiler, none was seen with its stack, and no default is configured "
+            f"(SUPPORTMATRIX_DEFAULT_COMPILER): {NO_STACK_KNOWN}"
+        )
     return RuntimeInfo(
         backend=settings.backend,
         compiler_name=compiler_name,
         compiler_version=compiler_version,
         library_version=library_version,
-        torch_version=torch_version or "unknown",
-        **(neuron_versions() if settings.backend == "neuron" else {}),
+        torch_version=torch_version,  # None where not installed: the stack spells it "" (``stack_of``)
+        **neuron,
     )
 
 
-def plan_runtimes(session: Session, settings: Settings, compilers: list[str] | None) -> list[RuntimeInfo]:
+def plan_runtimes(
+    session: Session, settings: Settings, compilers: list[str] | None, stacks: list[Stack] | None = None
+) -> list[RuntimeInfo]:
+    """The served runtimes a submission plans its jobs for: all of them, those of ``compilers`` (every stack served
+    on each), or exactly ``stacks`` (a rerun of one cell: its stack, not every stack of its compiler)."""
     served = served_runtimes(session, settings)
-    if not served:
-        raise NoRuntime(
-            "no live worker serves a compiler and no default is configured (SUPPORTMATRIX_DEFAULT_COMPILER)"
-        )
+    if stacks is not None:
+        by_stack = {r.stack(): r for r in reversed(served)}  # the first runtime served of each stack
+        unserved = [stack.label() for stack in stacks if stack not in by_stack]
+        if unserved:
+            raise UnknownCompiler(f"stack {unserved[0]} is not served; served: {[r.stack().label() for r in served]}")
+        return [by_stack[stack] for stack in dict.fromkeys(stacks)]
     if compilers is None:
         return served
     planned = []

@@ -6,14 +6,16 @@ rely on are named beside the models, and ``bench/metrics_scrape.py`` measures th
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, cast
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import ErrorClass, JobState, Stage, SweepState, Verdict
 from shared.db.models import Job, QueueSeen, Result, Sweep, SweepEntry, Worker
+from shared.results.cells import version_key
 
 # Seconds; the slowest runner is bounded by SUPPORTMATRIX_JOB_TIMEOUT_S (1 h by default), the buckets go to 2 h.
 DURATION_BUCKETS = (1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 2700.0, 3600.0, 5400.0, 7200.0)
@@ -31,12 +33,14 @@ def _text(value: str) -> sa.ColumnElement[str]:
     return sa.literal_column(f"'{value}'", sa.String)
 
 
-def bounds_at_or_above(value: sa.ColumnElement[float], dialect: str) -> sa.ColumnElement[int]:
+def bounds_at_or_above(value: sa.SQLColumnExpression[float | None], dialect: str) -> sa.ColumnElement[int]:
     """How many bucket bounds are >= ``value`` (NULL for NULL): the row's bucket, as one number per row, so that a
     GROUP BY on it counts each bucket in one pass. PostgreSQL: ``width_bucket`` over the negated bounds, which
     evaluates ``value`` once; elsewhere a CASE chain."""
     if dialect == "postgresql":
-        negated = sa.literal_column("ARRAY[" + ",".join(f"{-b}" for b in reversed(DURATION_BUCKETS)) + "]::float8[]")
+        negated: sa.ColumnClause[Any] = sa.literal_column(
+            "ARRAY[" + ",".join(f"{-b}" for b in reversed(DURATION_BUCKETS)) + "]::float8[]"
+        )
         return sa.func.width_bucket(-value, negated)
     n = len(DURATION_BUCKETS)
     return sa.case(
@@ -73,8 +77,9 @@ def queue_waits(session: Session) -> list[QueueWait]:
         .where(Job.state == JobState.judging, Job.lease_owner.is_(None))
         .group_by(Job.verdict_queue)
     )
-    known = sa.select(_text(""), QueueSeen.queue, sa.literal_column("0"), sa.null())
-    return [QueueWait(*row) for row in session.execute(sa.union_all(accelerator, verdict, known)).tuples()]
+    known: sa.Select[str, str, Any, None] = sa.select(_text(""), QueueSeen.queue, sa.literal_column("0"), sa.null())
+    waits: sa.CompoundSelect[*tuple[Any, ...]] = sa.union_all(accelerator, verdict, known)
+    return [QueueWait(*row) for row in session.execute(waits).tuples()]
 
 
 # --- results --------------------------------------------------------------------------------------------------
@@ -104,20 +109,47 @@ def last_result_at(session: Session) -> dt.datetime | None:
     return session.scalar(sa.select(Result.created_at).order_by(Result.id.desc()).limit(1))
 
 
-class Throughput(NamedTuple):
-    compiler_version: str | None
-    tokens_per_s: float  # the mean over the rows that have one (PASS rows with a performance tier)
+# The labels of a throughput cell: what stays fixed while its compiler moves from version to version.
+CELL_LABELS = ("model_id", "task", "backend", "compiler", "cores")
+
+
+class VersionSpeed(NamedTuple):
+    compiler_version: str
+    tokens_per_s: float  # the mean over the cell's PASS rows of that version
     results: int
 
 
-def throughput_by_compiler(session: Session) -> list[Throughput]:
-    """The decode rate at batch 1 per compiler version (ix_results_throughput)."""
+class CellSpeed(NamedTuple):
+    labels: tuple[str, ...]  # CELL_LABELS' values
+    newest: VersionSpeed
+    previous: VersionSpeed | None  # the compiler version before the newest, when the cell ran under one
+
+
+def cell_speeds(session: Session) -> list[CellSpeed]:
+    """Each throughput cell's mean decode rate at its newest compiler version and at the one before — the newest
+    and the one before *among the versions with a PASS rate of the cell*: a version whose runs of it all failed
+    (or were not run) is skipped — versions ordered by their numbers, ``version_key``, as /changes orders them (an
+    rc after its release: ``2.28.0rc1`` follows ``2.28.0``). One grouped pass over the PASS rows with a decode rate
+    (a scan of the results with a decode rate: at most one per PASS with its performance tier), the rest in Python
+    over one row per cell and version."""
     rows = session.execute(
-        sa.select(Result.compiler_version, sa.func.avg(Result.decode_tokens_per_s), sa.func.count())
-        .where(Result.decode_tokens_per_s.is_not(None))
-        .group_by(Result.compiler_version)
-    ).tuples()
-    return [Throughput(version, float(mean), int(n)) for version, mean, n in rows]
+        sa.select(
+            Job.model_id, Job.task, Job.backend, Job.compiler_name, Result.cores, Result.compiler_version,
+            sa.func.avg(Result.decode_tokens_per_s), sa.func.count(),
+        )
+        .join(Job, Job.id == Result.job_id)
+        .where(Result.decode_tokens_per_s.is_not(None), Result.verdict == Verdict.PASS)
+        .group_by(Job.model_id, Job.task, Job.backend, Job.compiler_name, Result.cores, Result.compiler_version)
+    ).tuples()  # fmt: skip
+    versions: dict[tuple[str, ...], list[VersionSpeed]] = defaultdict(list)
+    for model_id, task, backend, compiler, cores, version, mean, n in rows:
+        cell: tuple[str, ...] = (model_id, task, backend, compiler, str(cores))
+        versions[cell].append(VersionSpeed(version or "", float(mean), int(n)))
+    out = []
+    for cell, speeds in sorted(versions.items()):
+        speeds.sort(key=lambda speed: version_key(speed.compiler_version))
+        out.append(CellSpeed(cell, speeds[-1], speeds[-2] if len(speeds) > 1 else None))
+    return out
 
 
 class StageBuckets(NamedTuple):
@@ -164,7 +196,8 @@ def compile_duration_buckets(session: Session, dialect: str) -> list[CompileBuck
         .where(Result.compile_s.is_not(None))
         .group_by(Result.compiler_version, bucket)
     ).tuples()
-    return [CompileBuckets(*row) for row in rows]
+    # a bucket's sum is of seconds the WHERE left: never NULL
+    return [CompileBuckets(*row) for row in cast(Iterable[tuple[str | None, int, int, float]], rows)]
 
 
 class SlowResult(NamedTuple):
@@ -183,7 +216,7 @@ def slowest_results(session: Session, limit: int) -> list[SlowResult]:
         .order_by(Result.wall_s.desc())
         .limit(limit)
     ).tuples()
-    return [SlowResult(*row) for row in rows]
+    return [SlowResult(*row) for row in cast(Iterable[tuple[str, str | None, int, float]], rows)]  # no NULL wall_s
 
 
 class Deliveries(NamedTuple):

@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import ACTIVE_STATES, ErrorClass, JobState, Task, Verdict
-from shared.contracts.run import IDENTITY_VERSIONS, RuntimeInfo
+from shared.contracts.run import IDENTITY_VERSIONS, RuntimeInfo, Stack
 from shared.db.models import Job
 from shared.hub import kinds
 from shared.hub.client import Gated, ResolvedModel, Unsizable, adapter_base, model_shape, read_json, resolve_model
@@ -27,7 +27,7 @@ from shared.hub.sizing import default_core_memory_bytes, run_dtype, size_model, 
 from shared.jobs.outcomes import settle
 from shared.jobs.queues import job_queue
 from shared.jobs.runtimes import plan_runtimes
-from shared.settings import Settings
+from shared.settings import Settings, get_settings, verdict_settings
 from shared.testconfig import config_hash
 
 # The Hub's pipeline tags we know how to test, and the task each is tested as.
@@ -50,6 +50,7 @@ class Request:
     model_id: str
     revision: str | None = None
     compilers: list[str] | None = None
+    stacks: list[Stack] | None = None  # exactly these stacks (a rerun of a cell), rather than compilers' every one
     force: bool = False
     task: Task | None = None
     cores: int | None = None  # None: sized from the Hub's metadata
@@ -93,8 +94,8 @@ _EXISTING = (
 
 
 def _identity(model: ResolvedModel, runtime: RuntimeInfo, task: str, cores: int) -> dict[str, object]:
-    versions = {version: getattr(runtime, version) for version in IDENTITY_VERSIONS}
-    hashed = config_hash(task)
+    versions = runtime.stack().model_dump()
+    hashed = config_hash(task, verdict_settings(get_settings(), task, cores))  # this deployment's judge and split
     return {
         "model_id": model.model_id,
         "sha": model.sha,
@@ -135,17 +136,13 @@ def submit(
             out.append(Submitted(existing, created=False))
             continue
         job = Job(
-            model_id=model.model_id,
+            # the runtime, then the identity over it: its stack spells a torch no runner has said as ""
+            **{**runtime.model_dump(), **identity},
             revision=revision,
-            sha=model.sha,
-            task=task,
-            config_hash=config_hash(task),
             gated=model.gated,
             trust_remote_code=model.needs_remote_code,
             submitted_by=submitted_by,
-            **runtime.model_dump(),
-            cores=cores,
-            queue=job_queue(runtime.backend, runtime.compiler_version, cores),
+            queue=job_queue(runtime.backend, runtime.stack(), cores),
             state=JobState.queued,
         )
         try:
@@ -167,7 +164,7 @@ def submit_model(session: Session, settings: Settings, request: Request) -> list
     """Insert (or find) the jobs of a request. Raises the Hub's, the planner's and the task's refusals."""
     model = resolve_model(request.model_id, request.revision, fresh=request.fresh)
     task = choose_task(model, request.task)
-    runtimes = plan_runtimes(session, settings, request.compilers)
+    runtimes = plan_runtimes(session, settings, request.compilers, request.stacks)
     cores, refusal = admit(model, settings, request.cores, task)
     submitted = submit(session, model, request.revision, runtimes, force=request.force, task=task.value,
                        cores=cores or 1, submitted_by=request.submitted_by)  # fmt: skip

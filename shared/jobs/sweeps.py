@@ -10,6 +10,7 @@ the schedule, unique in SQL, so a schedule that fires twice sweeps once.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from shared.contracts.enums import JobState, SweepState, Task, Verdict
+from shared.contracts.enums import JobState, SweepState, SweepView, Task, Verdict
 from shared.db.models import Job, Result, Sweep, SweepEntry, utcnow
-from shared.hub.client import HubError, ModelNotFound, RevisionNotFound, list_top, resolve_model
+from shared.hub.client import HUB_RANKINGS, HubError, ModelNotFound, RevisionNotFound, list_top, resolve_model
 from shared.jobs.runtimes import NoRuntime, served_runtimes
 from shared.jobs.submission import TASK_BY_PIPELINE, Request, Submitted, submit_model
 from shared.results.cells import CellStatus, cells
@@ -28,14 +29,13 @@ from shared.settings import Settings
 
 # Each task's pipeline tags, as submission maps them: one ranking per task over all its tags.
 PIPELINES = {task.value: [tag for tag, tagged in TASK_BY_PIPELINE.items() if tagged == task] for task in Task}
-VIEWS = ("trending", "downloads")
 
 
 @dataclass(frozen=True)
 class Candidate:
     model_id: str
     task: str  # "": a selected model without a task, tested as its pipeline tag says (or refused)
-    view: str
+    view: str  # a SweepView, or "rerun": a FLAKY cell run again (rerun_flipped_cells)
     rank: int
 
 
@@ -60,9 +60,9 @@ def candidates(settings: Settings) -> list[Candidate]:
     found = []
     for rank, entry in enumerate(settings.sweep_selected, start=1):
         model_id, _, task = entry.partition(":")
-        found.append(Candidate(model_id, task, "selected", rank))
+        found.append(Candidate(model_id, task, SweepView.selected, rank))
     for task in settings.sweep_tasks:
-        for view in VIEWS:
+        for view in HUB_RANKINGS:
             listed = list_top(PIPELINES[task], view, settings.sweep_limit)
             found += [Candidate(m.model_id, task, view, m.rank) for m in listed]
     return found
@@ -119,7 +119,8 @@ def add_entries(
     session: Session, sweep: Sweep, candidate: Candidate, submitted: list[Submitted], note: str | None
 ) -> None:
     """One entry per job the candidate got, or one entry with the note saying why it got none."""
-    for s in submitted or [None]:
+    entries: Sequence[Submitted | None] = submitted or [None]
+    for s in entries:
         session.add(
             SweepEntry(
                 sweep_id=sweep.id,
@@ -135,18 +136,21 @@ def add_entries(
 
 
 def rerun_flipped_cells(session: Session, settings: Settings, sweep: Sweep) -> list[Submitted]:
-    """One more run of each FLAKY cell of a served compiler whose runs flipped sweep_rerun_flips times."""
+    """One more run of each FLAKY cell of a served stack whose runs flipped sweep_rerun_flips times."""
     if not settings.sweep_rerun_flips:
         return []
-    served = {r.compiler_version for r in served_runtimes(session, settings)}
+    try:
+        served = {r.stack() for r in served_runtimes(session, settings)}
+    except NoRuntime:  # no stack can be planned now: nothing to rerun (the candidates' entries say why)
+        return []
     queued = []
     for cell in cells(session):
         if cell.status != CellStatus.FLAKY or cell.flips < settings.sweep_rerun_flips:
             continue
-        if cell.compiler_version not in served:
+        if cell.stack not in served:
             continue
         request = Request(
-            cell.model_id, task=Task(cell.task), compilers=[cell.compiler_version], force=True, fresh=True,
+            cell.model_id, task=Task(cell.task), stacks=[cell.stack], force=True, fresh=True,
             submitted_by=sweep.submitted_by,
         )  # fmt: skip
         candidate = Candidate(cell.model_id, cell.task, "rerun", 0)

@@ -1,9 +1,9 @@
 """The collector's export: Parquet files readers of the public dataset can load unchanged.
 
-One file per (compiler version, library, library version) under ``<export dir>/data/``, holding one row
-per (model, task) for that combination: its newest run, with the cell's status as ``result``. A file is
-replaced atomically (temp + rename) and only when its rows changed, so readers never see half a file and
-unchanged files keep their mtime.
+One file per software stack (compiler, torch, TorchNeuron, Neuron runtime and library versions) under
+``<export dir>/data/``, holding one row per (model, task) for that stack: its newest run, with the cell's status
+as ``result``. A file is replaced atomically (temp + rename) and only when its rows changed, so readers never
+see half a file and unchanged files keep their mtime.
 
 Two ways to get there. ``export_results`` rebuilds every file from SQL. ``export_jobs`` — what the collector
 runs after results arrive — rewrites only the files of the given jobs' keys, and in each only the rows of
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
+import tempfile
 import threading
 from collections import deque
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -32,8 +32,10 @@ import pyarrow.parquet as pq
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from shared.contracts.enums import Verdict
+from shared.contracts.run import LIBRARY, Stack, safe_name, stack_of
 from shared.db.models import Job, Result, UTCDateTime
-from shared.results.cells import CellStatus
+from shared.results.cells import STACK_COLUMNS, CellStatus
 from shared.results.records import COLUMNS, RECORD_SOURCES, RESULT_SCHEMA, SCHEMA_VERSION, table_from_rows
 
 EXPORTED_MARKER = ".exported"  # the highest result id the files cover, and the schema version they were written in
@@ -47,15 +49,34 @@ SORT_ORDER = [("model_id", "ascending"), ("task", "ascending")]
 
 
 class ExportKey(NamedTuple):
-    """What one file holds: the runs of one compiler version, library and library version."""
+    """What one file holds: the runs of one library under one software stack (``Stack``)."""
 
-    compiler_version: str
     library: str
-    library_version: str
+    stack: Stack
+
+    @classmethod
+    def of(cls, stack: Stack, library: str = LIBRARY) -> ExportKey:
+        return cls(library, stack)
+
+    @classmethod
+    def of_row(cls, row: Any) -> ExportKey:
+        """The key of a SQL row holding ``KEY_COLUMNS``."""
+        return cls(row.library, stack_of(row))
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """Files in the order their names sort: compiler version, library and its version, then the stack's rest."""
+        stack = self.stack
+        rest = (stack.torch_version, stack.torch_neuronx_version, stack.neuron_runtime_version)
+        return (stack.compiler_version, self.library, stack.library_version, *rest)
 
     @property
     def file_name(self) -> str:
-        return file_name(*self)
+        return file_name(self.library, self.stack)
+
+
+# The job columns a key is read from: the library, and the stack's (``STACK_COLUMNS``).
+KEY_COLUMNS = (Job.library, *STACK_COLUMNS)
 
 
 @dataclass
@@ -63,13 +84,15 @@ class ExportSummary:
     data_dir: Path
     written: list[Path] = field(default_factory=list)
     unchanged: list[Path] = field(default_factory=list)
+    removed: list[Path] = field(default_factory=list)  # files of no key with results (a full export's)
 
 
-def file_name(compiler_version: str, library: str, library_version: str) -> str:
-    def safe(part: str) -> str:
-        return re.sub(r"[^A-Za-z0-9.+_-]", "_", part)
+def file_name(library: str, stack: Stack) -> str:
+    """``<compiler version>--<library>-<library version>--stack-<digest>.parquet``: the versions people look for,
+    then the stack's name (``Stack.name``), so that two stacks on one compiler are two files."""
 
-    return f"{safe(compiler_version)}--{safe(library)}-{safe(library_version)}.parquet"
+    versions = f"{safe_name(stack.compiler_version)}--{safe_name(library)}-{safe_name(stack.library_version)}"
+    return f"{versions}--{stack.name}.parquet"
 
 
 def _as_stored(column: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
@@ -91,14 +114,11 @@ RECORD_WIDTH, RESULT_COLUMN = len(COLUMNS), COLUMNS.index("result")
 
 
 def _key_filter(key: ExportKey) -> sa.ColumnElement[bool]:
-    return sa.and_(
-        Job.compiler_version == key.compiler_version,
-        Job.library == key.library,
-        Job.library_version == key.library_version,
-    )
+    of_stack = (column == getattr(key.stack, column.key) for column in STACK_COLUMNS)
+    return sa.and_(Job.library == key.library, *of_stack)
 
 
-def _key_runs(key: ExportKey) -> sa.Select[Any]:
+def _key_runs(key: ExportKey) -> sa.Select[int, str, str, str, Verdict]:
     """The key's runs as narrow rows: what SQL picks each cell's newest run from."""
     runs = sa.select(Job.id, Job.model_id, Job.task, Job.sha, Result.verdict).join(Result, Result.job_id == Job.id)
     return runs.where(_key_filter(key))
@@ -120,7 +140,7 @@ def key_cells(session: Session, key: ExportKey, models: Collection[str] | None =
     return [cell for batch in batches for cell in connection.execute(_newest_runs(batch)).all()]
 
 
-def _newest_runs(of: sa.Select[Any]) -> sa.Select[Any]:
+def _newest_runs(of: sa.Select[int, str, str, str, Verdict]) -> sa.Select[Any]:
     runs = of.subquery()
     cell = (runs.c.model_id, runs.c.task)
     verdict = sa.type_coerce(runs.c.verdict, sa.String())
@@ -295,6 +315,25 @@ def _patched(current: pa.Table, fresh: pa.Table, cells: Collection[Cell]) -> pa.
     return pa.concat_tables([current.filter(kept), fresh]).sort_by(SORT_ORDER)
 
 
+def replace_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Replace ``path`` with what ``write`` writes, so that whoever opens ``path`` gets the old bytes or the new,
+    whole. The temp file is the writer's own (``mkstemp``: no two writers, threads or processes, ever share one)
+    and starts with a dot, which keeps it out of a directory read (``pd.read_parquet(data_dir)``); it reaches the
+    disk before the rename, so a crash leaves the old file or the new one, never an empty one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the files from readers of a shared volume
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def _write(path: Path, table: pa.Table, current: pa.Table | None, summary: ExportSummary) -> None:
     """Replace the file with ``table`` when its rows changed. No rows leaves the file alone, as the full export
     always has for a key without results."""
@@ -303,10 +342,7 @@ def _write(path: Path, table: pa.Table, current: pa.Table | None, summary: Expor
     if current is not None and current.equals(table):
         summary.unchanged.append(path)
         return
-    # A leading dot keeps the temp file out of pd.read_parquet(data_dir) while it is written.
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    replace_atomically(path, lambda file: pq.write_table(table, file))
     summary.written.append(path)
 
 
@@ -325,9 +361,7 @@ def _covered(export_dir: Path) -> int | None:
 
 
 def _mark_covered(export_dir: Path, result_id: int) -> None:
-    tmp = export_dir / f"{EXPORTED_MARKER}.{os.getpid()}.tmp"
-    tmp.write_text(f"{result_id} {SCHEMA_VERSION}")
-    os.replace(tmp, export_dir / EXPORTED_MARKER)
+    replace_atomically(export_dir / EXPORTED_MARKER, lambda file: file.write(f"{result_id} {SCHEMA_VERSION}".encode()))
 
 
 def _data_dir(export_dir: Path) -> Path:
@@ -338,18 +372,25 @@ def _data_dir(export_dir: Path) -> Path:
 
 def export_keys(session: Session) -> list[ExportKey]:
     """Every key with results: one file each."""
-    keys = sa.select(Job.compiler_version, Job.library, Job.library_version).join(Result, Result.job_id == Job.id)
-    return sorted(ExportKey(*row) for row in session.execute(keys.distinct()))
+    keys = sa.select(*KEY_COLUMNS).join(Result, Result.job_id == Job.id)
+    return sorted((ExportKey.of_row(row) for row in session.execute(keys.distinct())), key=lambda k: k.order)
 
 
 def export_results(session: Session, export_dir: Path) -> ExportSummary:
-    """Rebuild every file from SQL."""
+    """Rebuild every file from SQL, and remove the files of no key with results: a file named as an older schema
+    named its key, or one whose results are all gone, would hold rows no cell has any more (and the Hub dataset,
+    which mirrors the directory, would serve them beside the new)."""
     summary = ExportSummary(data_dir=_data_dir(export_dir))
     covered = _last_result_id(session)  # before the rows: a result after it is taken again next time
     with file_tables(session) as files:
         for key, table in files.tables(export_keys(session)):
             path = summary.data_dir / key.file_name
             _write(path, table, _current(path), summary)
+    kept = {*summary.written, *summary.unchanged}
+    for path in sorted(summary.data_dir.glob("*.parquet")):
+        if path not in kept:
+            path.unlink()
+            summary.removed.append(path)
     _mark_covered(export_dir, covered)
     return summary
 
@@ -362,8 +403,7 @@ def export_jobs(session: Session, export_dir: Path, job_ids: Collection[int]) ->
         return export_results(session, export_dir)
     summary = ExportSummary(data_dir=_data_dir(export_dir))
     upto = _last_result_id(session)
-    cells = sa.select(Job.compiler_version, Job.library, Job.library_version, Job.model_id, Job.task)
-    cells = cells.join(Result, Result.job_id == Job.id)
+    cells = sa.select(Job.model_id, Job.task, *KEY_COLUMNS).join(Result, Result.job_id == Job.id)
     ids = sorted(job_ids)
     touched: dict[ExportKey, set[Cell]] = {}
     # Both, because neither is enough: a result committed after a later-numbered one was exported has an id
@@ -372,10 +412,10 @@ def export_jobs(session: Session, export_dir: Path, job_ids: Collection[int]) ->
         Result.id > covered,
         *(Job.id.in_(ids[i : i + IDS_PER_QUERY]) for i in range(0, len(ids), IDS_PER_QUERY)),
     ]:
-        for compiler_version, library, library_version, model_id, task in session.execute(cells.where(where)):
-            touched.setdefault(ExportKey(compiler_version, library, library_version), set()).add((model_id, task))
+        for row in session.execute(cells.where(where)):
+            touched.setdefault(ExportKey.of_row(row), set()).add((row.model_id, row.task))
     with file_tables(session) as files:
-        for key, changed in sorted(touched.items()):
+        for key, changed in sorted(touched.items(), key=lambda item: item[0].order):
             path = summary.data_dir / key.file_name
             current = _current(path)
             if current is not None and len(changed) <= PATCH_AT_MOST:

@@ -46,7 +46,7 @@ class FailureGroup(BaseModel):
 
 def failure_groups(session: Session, compiler: str | None, task: Task | None) -> list[FailureGroup]:
     """One group per signature, from one row per (signature, compiler version) and a few example models."""
-    signed = [Result.signature_id.is_not(None)]
+    signed: list[sa.ColumnElement[bool]] = [Result.signature_id.is_not(None)]
     if task is not None:
         signed.append(Job.task == task.value)
     per_version = session.execute(
@@ -64,7 +64,7 @@ def failure_groups(session: Session, compiler: str | None, task: Task | None) ->
         .where(*signed)
         .group_by(Result.signature_id, Job.compiler_version)
     ).all()
-    by_signature: dict[str, list[sa.Row[Any]]] = {}
+    by_signature: dict[str, list[sa.Row[*tuple[Any, ...]]]] = {}
     for row in per_version:
         by_signature.setdefault(row.id, []).append(row)
     examples = _example_models(session, signed, compiler)

@@ -1,6 +1,7 @@
 """Pushing the export to a Hub dataset repo: the Parquet files and a dataset card, one commit per export run.
 
-The card's YAML lists one config per file (compiler version x library version), so the Hub's viewer and
+The card's YAML lists one config per file (one library under one software stack: its name is the file's,
+``<compiler version>--<library>-<library version>--stack-<digest>``), so the Hub's viewer and
 `datasets.load_dataset(repo, config)` read each on its own; every row carries `schema_version`. The Hub
 caps commits per repo per hour, so a push happens only when the files differ from what was last pushed
 (a fingerprint kept beside the export), and it is one commit for all files.
@@ -38,7 +39,11 @@ configs:
 
 # Which Hugging Face models run unmodified on AWS Trainium2
 
-One row per (model, task) and per file; one file (and config) per compiler version and library version.
+One row per (model, task) and per file; one file (and config) per library and software stack: neuronx-cc (or
+inductor-<torch> on cpu), torch, torch-neuronx, the Neuron runtime and transformers. A config is named
+`<compiler version>--<library>-<library version>--stack-<digest>`, the digest a short hash of the whole stack, so
+one compiler version with two torch-neuronx builds is two configs; each row states its stack's versions
+(`torch_version`, `torch_neuronx_version`, `neuron_runtime_version`).
 Columns `model_id, neuronx_cc, library, library_version, neuron_cores, result` follow
 `aws-neuron/torch-neuronx-model-support`; the rest are supportmatrix's evidence and provenance.
 `result` is PASS, FAIL, ERROR, SKIPPED or FLAKY (repeated runs disagreed). Schema version {SCHEMA_VERSION}.

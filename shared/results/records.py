@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Annotated, Any, NamedTuple, TypedDict, Unpack
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, Optional, TypedDict, Unpack
 
 import pyarrow as pa
 import pyarrow.json as pa_json
@@ -29,13 +29,15 @@ from sqlalchemy.orm import Session
 from shared.contracts.enums import SweepState, Verdict
 from shared.contracts.fields import FieldShape, Int32, shape_of
 from shared.contracts.report import row_fields
+from shared.contracts.run import IDENTITY_VERSIONS
 from shared.db.models import Job, Result, ResultsVersion, Sweep, SweepEntry
 from shared.results.cells import CellStatus
 
 # 2: failure signatures, graphs compiled, predicted peak memory per core; 3: columns by part; 4: runtime versions,
 # compile path, cache lookups, rank cores, routing margin, performance, long generation; 5: the task's pipeline,
-# embedding and image columns
-SCHEMA_VERSION = 5
+# embedding and image columns; 6: the stack's versions are the job's (the stack it was planned for and ran on), and
+# a file holds one stack
+SCHEMA_VERSION = 6
 
 
 class RecordHead(BaseModel):
@@ -56,12 +58,14 @@ class RecordHead(BaseModel):
 
 # Record fields taken from the job (what was asked), by the job attribute each comes from. The result row
 # repeats a few identity columns only as a runner reported them, empty on rows settled without one: where a
-# result column shares a head field's name, the record publishes the job's.
+# result column shares a head field's name, the record publishes the job's. So with the stack (``Stack``): a row
+# states the one stack it was planned for, which is the stack that ran it (a worker runs only its own stack's jobs),
+# never a mix of the planned compiler and the reported torch.
 FROM_JOB = {
+    **{version: version for version in IDENTITY_VERSIONS if version != "compiler_version"},  # it is neuronx_cc
     "model_id": "model_id",
     "neuronx_cc": "compiler_version",
     "library": "library",
-    "library_version": "library_version",
     "revision": "sha",
     "task": "task",
     "backend": "backend",
@@ -80,23 +84,41 @@ def _published_result_fields() -> dict[str, tuple[Any, FieldInfo]]:
     for column in row_fields():
         if column.name in taken or shape_of(column.info).sql_only:
             continue
-        annotation: Any = column.info.annotation | None
+        declared: Any = column.info.annotation
+        annotation: Any = declared | None
         if column.info.metadata:  # its widths: Parquet's int32, the strings' bounds
             annotation = Annotated[annotation, *column.info.metadata]
-        fields[column.name] = (annotation, Field(None, description=column.info.description))
+        fields[column.name] = (annotation, FieldInfo.from_field(None, description=column.info.description))
     return fields
 
 
 # The result columns published under their own names.
 SAME_NAMED_RESULT_COLUMNS = _published_result_fields()
-ResultRecord = create_model(
-    "ResultRecord",
-    __base__=RecordHead,
-    __doc__="One finished test as a flat row.",
-    **SAME_NAMED_RESULT_COLUMNS,  # type: ignore[call-overload]
-    job_id=(int, ...),
-    finished_at=(dt.datetime, ...),
-)
+if TYPE_CHECKING:
+    # The record's fields as a type checker sees them: generated from the model below (shared/results/type_stubs.py)
+    from shared.results.derived_record import ResultRecord
+else:
+    ResultRecord = create_model(
+        "ResultRecord",
+        __base__=RecordHead,
+        __doc__="One finished test as a flat row.",
+        **SAME_NAMED_RESULT_COLUMNS,
+        job_id=(int, ...),
+        finished_at=(dt.datetime, ...),
+    )
+
+
+def record_part(name: str, columns: Sequence[str], base: type[BaseModel]) -> type[BaseModel]:
+    """A reader's row that shows some of the record's ``columns``, each typed and described as the record declares
+    it (None where the reader has no run), on ``base``: what the reader adds (a rank, a cost). Its values are read
+    by ``record_columns``."""
+    fields: dict[str, Any] = {}
+    for column in columns:
+        declared = ResultRecord.model_fields[column]
+        optional: Any = Optional[declared.annotation]  # noqa: UP045 (a type built at run time)
+        fields[column] = (optional, FieldInfo.from_field(None, description=declared.description))
+    return create_model(name, __base__=base, **fields)
+
 
 _ARROW_TYPES: list[tuple[type, pa.DataType]] = [
     (bool, pa.bool_()),  # before int: bool is an int
@@ -126,9 +148,9 @@ COLUMNS = RESULT_SCHEMA.names
 def _record_sources() -> dict[str, sa.ColumnElement[Any]]:
     """Each record field as the SQL expression it is read from, in ``COLUMNS`` order."""
     source: dict[str, sa.ColumnElement[Any]] = {
-        **{name: getattr(Job, attribute) for name, attribute in FROM_JOB.items()},
         **{name: getattr(Result, column) for name, column in RENAMED_RESULT_COLUMNS.items()},
         **{name: getattr(Result, name) for name in SAME_NAMED_RESULT_COLUMNS},
+        **{name: getattr(Job, attribute) for name, attribute in FROM_JOB.items()},  # the job's, over the result's
         "schema_version": sa.literal(SCHEMA_VERSION),
         "finished_at": sa.func.coalesce(Job.finished_at, Result.created_at),
     }
@@ -156,7 +178,7 @@ class RecordFilters(TypedDict, total=False):
 
 
 # Each filter's column, compared with the value given.
-FILTER_COLUMNS: dict[str, sa.ColumnElement[Any]] = {
+FILTER_COLUMNS: dict[str, sa.SQLColumnExpression[Any]] = {
     "model_id": Job.model_id,
     "compiler": Job.compiler_version,
     "library_version": Job.library_version,
@@ -185,6 +207,11 @@ _VERSION = sa.select(*_VERSION_COLUMNS)
 _VERSIONED_SELECT = RECORD_SELECT.add_columns(*_VERSION_COLUMNS)
 
 
+def record_columns(columns: Sequence[str]) -> list[sa.ColumnElement[Any]]:
+    """The SQL of some of the record's columns, labelled with their names (``record_part``)."""
+    return [RECORD_SOURCES[column].label(column) for column in columns]
+
+
 # The reads below are built once per shape (which filters, whether a cursor or a limit is given) with their values
 # as bound parameters, and kept: SQLAlchemy then finds a kept statement's compiled SQL by a cache key it has already
 # computed, where a statement built anew per request would have its key (a walk of ~100 labelled columns) computed
@@ -198,16 +225,41 @@ def _newest_first(names: tuple[str, ...], before: bool, limited: bool) -> sa.Sel
     return stmt.limit(sa.bindparam("limit", type_=sa.Integer)) if limited else stmt
 
 
+def view_sweeps(view: Any, task: Any | None) -> sa.Subquery:
+    """Which sweep a view is, for the API and the page alike: for each task (or ``task`` alone), the newest finished
+    sweep that lists ``view`` for it. A sweep that swept other tasks only leaves a task's view as it was. ``view``
+    and ``task``: values or bound parameters."""
+    listed = (
+        sa.select(SweepEntry.task, sa.func.max(SweepEntry.sweep_id).label("sweep_id"))
+        .join(Sweep, Sweep.id == SweepEntry.sweep_id)
+        .where(Sweep.state == SweepState.done, SweepEntry.view == view)
+        .group_by(SweepEntry.task)
+    )
+    if task is not None:
+        listed = listed.where(SweepEntry.task == task)
+    return listed.subquery("listed")
+
+
+def view_entries(view: Any, task: Any | None) -> sa.Select[Any]:
+    """A view's entries (``view_sweeps``): each model at its rank, with the job the sweep gave it (if any)."""
+    listed = view_sweeps(view, task)
+    return (
+        sa.select(SweepEntry)
+        .join(listed, sa.and_(SweepEntry.sweep_id == listed.c.sweep_id, SweepEntry.task == listed.c.task))
+        .where(SweepEntry.view == view)
+    )
+
+
 @lru_cache(maxsize=128)
 def _in_view(names: tuple[str, ...], by_task: bool) -> sa.Select[Any]:
-    """The records of the newest finished sweep's view, in its rank order, each job once (at its first rank)."""
-    first = sa.func.row_number().over(partition_by=SweepEntry.job_id, order_by=(SweepEntry.rank, SweepEntry.id))
-    entries = sa.select(SweepEntry.job_id, SweepEntry.rank, SweepEntry.id, first.label("nth")).where(
-        SweepEntry.sweep_id == _NEWEST_SWEEP, SweepEntry.view == sa.bindparam("view"), SweepEntry.job_id.is_not(None)
+    """The records of a view (``view_entries``), in its rank order, each job once (at its first rank)."""
+    entries = view_entries(sa.bindparam("view"), sa.bindparam("task") if by_task else None).where(
+        SweepEntry.job_id.is_not(None)
     )
-    if by_task:
-        entries = entries.where(SweepEntry.task == sa.bindparam("task"))
-    ranked = entries.subquery("ranked")
+    first = sa.func.row_number().over(partition_by=SweepEntry.job_id, order_by=(SweepEntry.rank, SweepEntry.id))
+    ranked = entries.with_only_columns(SweepEntry.job_id, SweepEntry.rank, SweepEntry.id, first.label("nth")).subquery(
+        "ranked"
+    )
     # The page is chosen from narrow rows (rank, job id, the filtered columns): only its own rows are read whole.
     page = (
         _filtered(
@@ -280,7 +332,7 @@ def query_results(
 def query_view(
     session: Session, view: str, task: str | None, *, offset: int, limit: int, **filters: Unpack[RecordFilters]
 ) -> RecordsRead:
-    """A page of the newest finished sweep's ``view`` (of one ``task``, or all), in rank order: its rows passing
+    """A page of ``view`` (``view_sweeps``: of one ``task``, or of each), in rank order: its rows passing
     ``filters`` from position ``offset`` (0-based), at most ``limit`` of them, and whether more follow. One
     statement: the ranks, the filters and the page are found in SQL."""
     given = _given(filters)

@@ -2,29 +2,32 @@
 sorted and paged in SQL; the versions to choose from; a model's history per version; a sweep's cost.
 
 A row is a cell's newest run: the newest finished job of (model, task) under one compiler version and one
-library version. A view (``selected``, ``trending``, ``downloads``) is the newest finished sweep's list for the
-task, ranked as the Hub ranked it; a model the view lists without a run at the chosen versions keeps its rank
-with an empty row. The cost of a run is its core-seconds (wall time, compilation included, times its cores)
-at the configured price per core-hour.
+library version. A view (a ``SweepView``) is the API's: the newest finished sweep that lists it for the task
+(``shared.results.records.view_sweeps``), ranked as the Hub ranked it; a model the view lists without a run at the
+chosen versions keeps its rank with an empty row. The cost
+of a run is its core-seconds (wall time, compilation included, times its cores) at the configured price per
+core-hour.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy.orm import Session
 
-from shared.contracts.enums import JobState, SweepState, Verdict
-from shared.db.models import Job, Result, Sweep, SweepEntry
+from shared.contracts.enums import JobState, SweepView, Verdict
+from shared.db.models import Job, Result, SweepEntry
 from shared.hub.sizing import GIB
 from shared.results.cells import version_key
-from shared.results.records import ResultRecord
+from shared.results.records import ResultRecord, record_columns, record_part, view_sweeps
 
-View = Literal["all", "selected", "trending", "downloads"]
-VIEWS: tuple[View, ...] = ("all", "selected", "trending", "downloads")
+# The page's views: every model with a run ("all"), or one of the newest sweep's lists.
+View = Literal["all"] | SweepView
+VIEWS: tuple[View, ...] = ("all", *SweepView)
 Sort = Literal["rank", "model", "result", "cores", "wall", "compile", "memory", "cache", "throughput", "cost"]
 SORTS: tuple[Sort, ...] = ("rank", "model", "result", "cores", "wall", "compile", "memory", "cache", "cost")
 Direction = Literal["asc", "desc"]
@@ -63,36 +66,25 @@ def library_versions(session: Session, compiler: str | None) -> list[str]:
 
 
 def newest_sweep_id(session: Session, view: str, task: str) -> int | None:
-    """The newest finished sweep that lists ``view`` for ``task``."""
-    return session.scalar(
-        sa.select(Sweep.id)
-        .where(
-            Sweep.state == SweepState.done,
-            sa.exists().where(SweepEntry.sweep_id == Sweep.id, SweepEntry.view == view, SweepEntry.task == task),
-        )
-        .order_by(Sweep.id.desc())
-        .limit(1)
-    )
+    """The sweep that is ``view`` for ``task`` (``view_sweeps``)."""
+    return session.scalar(sa.select(view_sweeps(view, task).c.sweep_id))
 
 
-@dataclass(frozen=True)
-class Row:
+class _PageRow(BaseModel):
+    """What the results page adds to the record's columns of a run (``PAGE_COLUMNS``)."""
+
+    model_config = ConfigDict(frozen=True)
+
     rank: int | None
     model_id: str
     job_id: int | None  # None: the view lists the model, but it has no run at these versions
-    result: str | None
-    error_class: str | None
-    cores: int | None
-    wall_s: float | None
-    compile_s: float | None
-    peak_memory_bytes: int | None
-    compile_cache: str | None
-    decode_tokens_per_s: float | None  # a PASS's decode rate at batch 1 (the performance tier)
     cost_usd: float | None
 
-    @property
-    def peak_gib(self) -> float | None:
-        return None if self.peak_memory_bytes is None else self.peak_memory_bytes / GIB
+
+# The page's columns of a run: the record's own (``record_part``), read from the run's result row.
+PAGE_COLUMNS = ("result", "error_class", "neuron_cores", "wall_s", "compile_s", "peak_memory_bytes", "compile_cache",
+                "decode_tokens_per_s")  # fmt: skip
+Row = record_part("Row", PAGE_COLUMNS, _PageRow)
 
 
 @dataclass(frozen=True)
@@ -112,7 +104,7 @@ class Totals:
 
 @dataclass(frozen=True)
 class TablePage:
-    rows: list[Row]
+    rows: list[BaseModel]  # of Row
     totals: Totals
     offset: int
     limit: int
@@ -153,7 +145,7 @@ def table_page(
         first_entry: Any = None
         stmt = sa.select().select_from(newest).join(Result, Result.job_id == newest.c.job_id)
     else:
-        sweep_id = newest_sweep_id(session, view, task)
+        sweep_id = newest_sweep_id(session, view, task)  # read once: the page's rows and its sweep are one sweep's
         ranks = (
             sa.select(
                 SweepEntry.model_id,
@@ -201,26 +193,13 @@ def table_page(
     key = (key.desc() if direction == "desc" else key.asc()).nulls_last()
     tie_breaks = [model_id] if view == "all" else [first_entry, model_id]
     page = stmt.with_only_columns(
-        rank,
-        model_id,
-        Result.job_id,
-        Result.verdict,
-        Result.error_class,
-        Result.cores,
-        Result.wall_s,
-        Result.compile_s,
-        Result.peak_memory_bytes,
-        Result.compile_cache,
-        Result.decode_tokens_per_s,
+        rank.label("rank"), model_id.label("model_id"), Result.job_id.label("job_id"), *record_columns(PAGE_COLUMNS)
     ).order_by(key, *tie_breaks)
     rows = [
-        Row(rank_, model, job_id, _code(result), _code(error), cores, wall, compile_s, peak, cache, rate,
-            cost_usd=cost_usd(wall, cores, price_per_core_hour))
-        for rank_, model, job_id, result, error, cores, wall, compile_s, peak, cache, rate in session.execute(
-            page.offset(offset).limit(limit)
-        )
-    ]  # fmt: skip
-    seconds = float(totals[3])
+        Row(**run, cost_usd=cost_usd(run["wall_s"], run["neuron_cores"], price_per_core_hour))
+        for run in session.execute(page.offset(offset).limit(limit)).mappings()
+    ]
+    seconds = float(cast(float, totals[3]))  # coalesced: never NULL
     return TablePage(
         rows=rows,
         totals=Totals(
@@ -234,11 +213,6 @@ def table_page(
         limit=limit,
         sweep_id=sweep_id,
     )
-
-
-def _code(value: Any) -> str | None:
-    """An enum's stored code (its value), as the API and the export spell it."""
-    return None if value is None else str(getattr(value, "value", value))
 
 
 def evidence(session: Session, job_id: int) -> dict[str, Any]:
@@ -280,19 +254,22 @@ def version_history(records: Sequence[ResultRecord], task: str) -> list[VersionP
     ]
 
 
-@dataclass(frozen=True)
-class SweepRow:
+class _SweepEntryRow(BaseModel):
+    """A sweep's entry on its page, beside the record's columns of its run (``SWEEP_COLUMNS``)."""
+
+    model_config = ConfigDict(frozen=True)
+
     view: str
     task: str
     rank: int
     model_id: str
     job_id: int | None
-    note: str | None
-    compiler: str | None
-    result: str | None
-    cores: int | None
-    wall_s: float | None
+    note: str | None  # why there is no job
     cost_usd: float | None
+
+
+SWEEP_COLUMNS = ("neuronx_cc", "result", "neuron_cores", "wall_s")
+SweepRow = record_part("SweepRow", SWEEP_COLUMNS, _SweepEntryRow)
 
 
 @dataclass(frozen=True)
@@ -307,8 +284,8 @@ class SweepCost:
         return per_pass_usd(self.cost_usd, self.passes)
 
 
-def sweep_rows(session: Session, sweep_id: int, price_per_core_hour: float) -> tuple[list[SweepRow], SweepCost]:
-    """A sweep's entries with their runs, and what its distinct jobs cost: in all, and per PASS."""
+def sweep_rows(session: Session, sweep_id: int, price_per_core_hour: float) -> tuple[list[BaseModel], SweepCost]:
+    """A sweep's entries with their runs (``SweepRow``s), and what its distinct jobs cost: in all, and per PASS."""
     stmt = (
         sa.select(
             SweepEntry.view,
@@ -317,26 +294,23 @@ def sweep_rows(session: Session, sweep_id: int, price_per_core_hour: float) -> t
             SweepEntry.model_id,
             SweepEntry.job_id,
             SweepEntry.note,
-            Job.compiler_version,
-            Result.verdict,
-            Result.cores,
-            Result.wall_s,
+            *record_columns(SWEEP_COLUMNS),
         )
         .outerjoin(Job, Job.id == SweepEntry.job_id)
         .outerjoin(Result, Result.job_id == SweepEntry.job_id)
         .where(SweepEntry.sweep_id == sweep_id)
         .order_by(SweepEntry.task, SweepEntry.view, SweepEntry.rank, SweepEntry.id)
     )
-    rows = [
-        SweepRow(view, task, rank, model, job_id, note, compiler, _code(result), cores, wall,
-                 cost_usd(wall, cores, price_per_core_hour))
-        for view, task, rank, model, job_id, note, compiler, result, cores, wall in session.execute(stmt)
-    ]  # fmt: skip
-    runs = {r.job_id: r for r in rows if r.job_id is not None}  # a job listed in two views is paid once
+    entries = [
+        (e, cost_usd(e["wall_s"], e["neuron_cores"], price_per_core_hour)) for e in session.execute(stmt).mappings()
+    ]
+    rows = [SweepRow(**entry, cost_usd=cost) for entry, cost in entries]
+    # a job listed in two views is paid once
+    runs = {entry["job_id"]: (entry["result"], cost) for entry, cost in entries if entry["job_id"] is not None}
     cost = SweepCost(
         jobs=len(runs),
-        finished=sum(1 for r in runs.values() if r.result is not None),
-        passes=sum(1 for r in runs.values() if r.result == Verdict.PASS.value),
-        cost_usd=sum(r.cost_usd or 0.0 for r in runs.values()),
+        finished=sum(1 for result, _ in runs.values() if result is not None),
+        passes=sum(1 for result, _ in runs.values() if result == Verdict.PASS),
+        cost_usd=sum(cost or 0.0 for _, cost in runs.values()),
     )
     return rows, cost

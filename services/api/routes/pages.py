@@ -14,11 +14,12 @@ from fastapi.templating import Jinja2Templates
 
 from services.api.deps import DiffPageDep, ScanDep, SessionDep, SettingsDep
 from services.api.schemas import CompilerVersion, ModelId, RowId
-from shared.contracts.enums import Task, Verdict
+from shared.contracts.enums import Axis, Task, Verdict
 from shared.db.models import Sweep
+from shared.hub.sizing import GIB
 from shared.jobs.sweeps import progress
 from shared.results import views
-from shared.results.cells import THROUGHPUT_NOISE_BAND, Axis, diff
+from shared.results.cells import THROUGHPUT_NOISE_BAND, diff, stacks
 from shared.results.records import query_results
 
 HERE = Path(__file__).resolve().parent.parent
@@ -43,7 +44,10 @@ def _filters(env: Any) -> None:
     def gib(value: float | None) -> str:
         return "—" if value is None else f"{value:,.2f}"
 
-    env.filters.update(seconds=seconds, usd=usd, gib=gib)
+    def bytes_gib(value: int | None) -> str:
+        return gib(None if value is None else value / GIB)
+
+    env.filters.update(seconds=seconds, usd=usd, gib=gib, bytes_gib=bytes_gib)
 
 
 _filters(templates.env)
@@ -145,6 +149,10 @@ def model_page(request: Request, model_id: ModelId, session: SessionDep, setting
     )
 
 
+# Each axis of /changes as its menu says it (every Axis, in the enum's order).
+AXIS_NAMES = {Axis.compiler: "compiler versions", Axis.library: "transformers versions", Axis.stack: "whole stacks"}
+
+
 @router.get("/changes", response_class=HTMLResponse)
 def changes_page(
     request: Request,
@@ -153,11 +161,17 @@ def changes_page(
     page: DiffPageDep,
     from_: Annotated[CompilerVersion | None, Query(alias="from")] = None,
     to: Annotated[CompilerVersion | None, Query()] = None,
-    axis: Axis = "compiler",
+    axis: Axis = Axis.compiler,
 ) -> Response:
     """What regressed and what got fixed between two versions (GET /results/diff), newest two by default; a page
-    of the newer version's cells at a time."""
-    versions = views.compiler_versions(session) if axis == "compiler" else views.library_versions(session, None)
+    of the newer version's cells at a time. A stack (axis ``stack``) is given by its digest and shown by its
+    versions."""
+    labels: dict[str, str] = {}
+    if axis == Axis.stack:
+        labels = {stack.digest: stack.label() for stack in stacks(session)}
+        versions = list(labels)
+    else:
+        versions = views.compiler_versions(session) if axis == Axis.compiler else views.library_versions(session, None)
     # A version of the other axis (the axis was just switched) falls back to the default, as a missing one does.
     to = to if to in versions else (versions[0] if versions else None)
     from_ = from_ if from_ in versions else next((v for v in versions if v != to), None)
@@ -167,12 +181,14 @@ def changes_page(
         "changes.html",
         {
             "versions": versions,
+            "labels": labels,
             "from_version": from_,
             "to_version": to,
             "axis": axis,
             "changes": changes,
             "paged": page.after is not None or (changes is not None and changes.next_cursor is not None),
             "noise_band": THROUGHPUT_NOISE_BAND,
+            "axes": AXIS_NAMES,
         },
     )
 

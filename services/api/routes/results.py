@@ -8,9 +8,9 @@ from fastapi import APIRouter, Query, Response
 
 from services.api.answers import Answer
 from services.api.deps import AnswersDep, DiffPageDep, ScanDep, SessionDep, SettingsDep, read_in_one_hop
-from services.api.schemas import CompilerVersion, Cursor, ModelId, ResultPage, error_responses
-from shared.contracts.enums import Task, Verdict
-from shared.results.cells import Axis, CellDiff, diff
+from services.api.schemas import CompilerVersion, Cursor, ModelId, ResultPage, StackOut, error_responses
+from shared.contracts.enums import Axis, SweepView, Task, Verdict
+from shared.results.cells import CellDiff, diff, stacks
 from shared.results.records import (
     RecordFilters,
     query_results,
@@ -34,12 +34,21 @@ def diff_results(
     page: DiffPageDep,
     from_: Annotated[CompilerVersion, Query(alias="from", description="the older version")],
     to: Annotated[CompilerVersion, Query(description="the newer version")],
-    axis: Axis = "compiler",
+    axis: Axis = Axis.compiler,
 ) -> CellDiff:
-    """Models that regressed (PASS → FAIL/ERROR) or were fixed between two compiler or library versions;
-    cells whose repeated runs disagree are listed as FLAKY. One page of the newer version's cells at a time
+    """Models that regressed (PASS → FAIL/ERROR) or were fixed between two compiler or library versions, or two
+    whole stacks (axis=stack: from and to are stack digests, the stack-<digest> of queue and file names); cells
+    whose repeated runs disagree are listed as FLAKY. One page of the newer version's cells at a time
     (at most SUPPORTMATRIX_DIFF_PAGE_CELLS, and never more than page_limit_max); follow next_cursor."""
     return diff(session, axis, from_, to, after=page.after, limit=page.limit)
+
+
+@router.get("/stacks", response_model=list[StackOut], responses=error_responses(429, 503))
+def list_stacks(session: SessionDep, _: ScanDep) -> list[StackOut]:
+    """The software stacks with results, newest compiler first: each one's digest (what axis=stack of /results/diff
+    and /changes takes as from and to, the stack-<digest> of queue, file and dataset config names), its versions, and
+    its label as the pages show it. A read that scans the results, rate limited as the diffs are."""
+    return [StackOut.of(stack) for stack in stacks(session)]
 
 
 @router.get(
@@ -66,8 +75,8 @@ def list_results(
     cursor: Cursor = None,
     format: Literal["json", "csv", "parquet"] = "json",
     view: Annotated[
-        Literal["trending", "downloads", "selected"] | None,
-        Query(description="the newest sweep's view, in its rank order (as the public Space shows them)"),
+        SweepView | None,
+        Query(description="the view of the newest finished sweep that lists it for the task, in its rank order"),
     ] = None,
     task: Task | None = None,
 ) -> Response:

@@ -6,12 +6,12 @@ from services.runner.backends.base import Backend
 from services.runner.backends.cpu import CpuBackend
 from services.runner.backends.cuda import CudaBackend
 from services.runner.backends.neuron import NeuronBackend
-from shared.settings import Settings
+from shared.settings import RunnerSettings
 
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (CpuBackend, CudaBackend, NeuronBackend)}
 
 
-def get_backend(name: str, settings: Settings) -> Backend:
+def get_backend(name: str, settings: RunnerSettings) -> Backend:
     try:
         return BACKENDS[name](settings)
     except KeyError:

@@ -14,7 +14,7 @@ from shared.contracts.report import Placement, Resources
 from shared.contracts.run import LIBRARY, RuntimeInfo
 from shared.cores import parse_cpus
 from shared.hub.sizing import run_dtype
-from shared.settings import Settings
+from shared.settings import RunnerSettings
 
 
 class Backend(ABC):
@@ -23,7 +23,7 @@ class Backend(ABC):
     collective: str  # torch.distributed backend for sharded runs
     compile_backend: str  # what torch.compile is given
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: RunnerSettings) -> None:
         self.settings = settings
         self.counted: CountingBackend | None = None  # the last compile's backend (``compile``)
 

@@ -67,7 +67,7 @@ class CpuBackend(Backend):
         from transformers import CompileConfig
 
         config = CompileConfig()
-        config._compile_all_devices = True
+        config._compile_all_devices = True  # type: ignore[assignment]  # declared None in transformers, read as a bool
         return {"compile_config": config}
 
     def cache_lookups(self) -> CacheLookups:

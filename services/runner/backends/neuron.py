@@ -6,12 +6,26 @@ process asks for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import tempfile
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from services.runner.backends.base import CacheLookups, DeviceBackend
 from services.runner.compile_cache import local_cache_dir
 from shared.installed import installed_version, neuron_versions
+
+DEBUG_DIR = "TORCH_NEURONX_DEBUG_DIR"  # where TorchNeuron writes the FX graphs, StableHLO and NEFFs it compiles
+
+
+def private_debug_dir(environ: Mapping[str, str]) -> dict[str, str]:
+    """TorchNeuron's work directory for this run: the one ``environ`` names (the worker's, in the stage's own
+    ``shared.isolation.WorkDir``), else a fresh one of this run's own, 0700, under its TMPDIR — never TorchNeuron's
+    default ``/tmp/neuron_backend``, one directory for every user of the host, where the first run to create it
+    owns it and every later run reads the graphs left there (a reproduce command, a local run)."""
+    if environ.get(DEBUG_DIR):
+        return {}
+    return {DEBUG_DIR: tempfile.mkdtemp(prefix="neuron_backend-", dir=environ.get("TMPDIR") or None)}
 
 
 class NeuronBackend(DeviceBackend):
@@ -26,8 +40,9 @@ class NeuronBackend(DeviceBackend):
         return {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
     def accelerator_env(self) -> dict[str, str]:
+        # TorchNeuron's work directory passes to the ranks with the rest of this runner's environment.
         cache = self.settings.cache_path
-        return {
+        return private_debug_dir(os.environ) | {
             # A graph that fails to compile must fail the run, not fall back to eager/CPU silently.
             "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": "1",
             "TORCH_NEURONX_NEFF_CACHE_DIR": str(local_cache_dir(cache, self.name)),

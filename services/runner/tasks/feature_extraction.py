@@ -21,7 +21,7 @@ from services.runner.failures import phase
 from services.runner.measure import Stopwatch, accelerator_timings, compile_record
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks.conclusion import ComparesOutputs, Conclusion
-from shared.contracts.enums import ErrorClass, Parallelism, Task, Verdict
+from shared.contracts.enums import ErrorClass, Fault, Parallelism, Task, Verdict
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, Output, Resources
 from shared.testconfig import SENTENCES, similarity_threshold
@@ -52,7 +52,7 @@ class Encoder:
             return
         from transformers import AutoModel, AutoTokenizer
 
-        code = {"trust_remote_code": trust_remote_code}
+        code: dict[str, Any] = {"trust_remote_code": trust_remote_code}
         tokenizer = AutoTokenizer.from_pretrained(model_dir, **code)
         self.network = AutoModel.from_pretrained(model_dir, dtype=dtype, **code).to(device).eval()
         self.inputs = tokenizer(
@@ -74,7 +74,7 @@ class Encoder:
     def plant(self, fault: str) -> None:
         """A planted fault (``faults.MODULE_FAULTS``): the module faults in the network; a wrong pooling mode."""
         faults.inject_module(self.network, fault)
-        if fault == "wrong_pooling":
+        if fault == Fault.wrong_pooling:
             pooling = self._pooling()
             if pooling is None:
                 raise ValueError("wrong_pooling needs a sentence-transformers pipeline with a pooling module")

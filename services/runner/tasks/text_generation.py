@@ -15,6 +15,9 @@ text's likelihood, as the prefill check uses raw logits too.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -22,14 +25,15 @@ import numpy as np
 from services.runner.backends.base import Backend
 from services.runner.failures import phase
 from services.runner.measure import Stopwatch, accelerator_timings, compile_record, peak_rss_bytes
+from services.runner.routing import RoutingForcer, RoutingRecorder, experts_per_token
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks.conclusion import NOT_RUN, Conclusion
 from services.runner.tasks.tiers import timed_generations, token_logprobs
 from shared.contracts.enums import ErrorClass, Parallelism, Task
 from shared.contracts.evidence import Evidence, StepEvidence
-from shared.contracts.handoffs import AcceleratorData, Artifacts
+from shared.contracts.handoffs import AcceleratorData, Artifacts, Routing
 from shared.contracts.report import Comparison, Performance, Resources
-from shared.results.verdict import decide, long_outcome
+from shared.results.verdict import decide, is_near_tie, long_outcome, routing_flips, routing_roots
 from shared.testconfig import LONG_NEW_TOKENS, NEW_TOKENS, PERF_NEW_TOKENS, PROMPT, LongTolerances, Tolerances
 
 
@@ -66,39 +70,78 @@ def _generation_kwargs(
     }
 
 
-def router_margins(model: Any, input_ids: Any) -> list[float] | None:
-    """A MoE model's router margin at each position of ``input_ids`` (a batch of one), the smallest over its layers:
-    its k-th best expert's logit minus the next one's, k its experts per token. bf16 noise flips a choice that
-    close. None for a dense model (or one whose forward returns no router logits)."""
+def _smallest(margins: list[float | None]) -> float | None:
+    return min((m for m in margins if m is not None), default=None)
+
+
+def routing_evidence(found: ReferenceResult) -> dict[str, Any]:
+    """What a row keeps of the routing comparison: the count of flips and the roots (each flip would be hundreds; a
+    root's margin null where it is no near tie at all), and the counterfactual's prefill error and the accelerator
+    text's likelihood under it, where it ran."""
+    flips = found.routing_flips
+    if flips is None:
+        return {}
+    forced = {} if found.forced_prefill_rel_error is None else {
+        "forced_prefill_rel_error": found.forced_prefill_rel_error,
+        "forced_accelerator_loglik": found.forced_accelerator_loglik,
+        "forced_reference_loglik": found.forced_reference_loglik,
+    }  # fmt: skip
+    return {"routing_flips": len(flips), "routing_roots": [asdict(f) for f in routing_roots(flips)], **forced}
+
+
+def _digest(routing: Routing | None) -> bytes:
+    return hashlib.sha256(b"none" if routing is None else json.dumps(routing.experts).encode()).digest()
+
+
+@dataclass(frozen=True)
+class _Counterfactual:
+    """The reference re-run on the accelerator's prefix with the accelerator's experts forced: its prefill logits, and
+    each step's processed scores (what greedy would pick from)."""
+
+    prefill_logits: np.ndarray
+    scores: list[Any]
+    accelerator_loglik: float  # the accelerator's tokens' mean log-prob per token (raw logits)
+    best_loglik: float  # and its own best pick's at each step on that prefix: what the text is weighed against
+
+    def scored(self, step: StepEvidence) -> StepEvidence:
+        """A divergent step with the accelerator's token's gap and rank under the counterfactual."""
+        gap, rank = _gap_and_rank(self.scores[step.step], step.accelerator_token)
+        return replace(step, forced_gap=gap, forced_rank=rank)
+
+
+def _relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
+    return float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
+
+
+def _gap_and_rank(scores: Any, token: int) -> tuple[float, int]:
+    """How far ``token`` sits below the best of a step's processed scores (log-probs, nats), and its 0-based rank."""
     import torch
 
-    k = getattr(model.config, "num_experts_per_tok", None)
-    if not k:
-        return None
-    with torch.inference_mode():
-        out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), output_router_logits=True)
-    router = getattr(out, "router_logits", None)
-    if not router:
-        return None
-    ranked = [layer.float().reshape(-1, layer.shape[-1]).sort(dim=-1, descending=True).values for layer in router]
-    return torch.stack([r[:, k - 1] - r[:, k] for r in ranked if r.shape[-1] > k]).min(dim=0).values.tolist()
+    processed = torch.log_softmax(scores, -1)
+    return processed.max().item() - processed[token].item(), int((processed > processed[token]).sum())
 
 
-def routing_margin(model: Any, inputs: Any) -> float | None:
-    """The smallest router margin over the prompt: a near tie there that bf16 flips moves the prefill."""
-    margins = router_margins(model, inputs["input_ids"])
-    return min(margins) if margins else None
-
-
-def step_routing_margins(model: Any, inputs: Any, tokens: list[int]) -> list[float] | None:
-    """The router margin at each position that chose one of ``tokens`` (the prompt's last, then each token's but
-    the last), from one forward over the prompt and ``tokens``: where bf16 can flip the routing at that very step."""
+def _forced_routing(
+    model: Any, inputs: Any, kwargs: dict[str, Any], tokens: list[int], routing: Routing
+) -> _Counterfactual | None:
+    """The counterfactual of a MoE whose routing flipped: the reference teacher-forced on the accelerator's tokens
+    again, its routers made to choose the accelerator's experts (``RoutingForcer``). None where the routers could not
+    be forced, or the forwards did not route exactly the recorded positions: then no flip is excused."""
     import torch
+    from transformers import LogitsProcessorList
 
-    ids = torch.cat([inputs["input_ids"], torch.tensor([tokens], dtype=inputs["input_ids"].dtype)], dim=1)
-    margins = router_margins(model, ids)
-    start = inputs["input_ids"].shape[1] - 1
-    return None if margins is None else margins[start : start + len(tokens)]
+    forcer = RoutingForcer(model, routing)
+    forced = _ForceTokens(tokens, inputs["input_ids"].shape[1])
+    try:
+        out = model.generate(**inputs, **kwargs, logits_processor=LogitsProcessorList([forced]))
+    finally:
+        forcer.remove()
+    if not forcer.covered:
+        return None
+    logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+    loglik = sum(step[t].item() for step, t in zip(logprobs, tokens, strict=True)) / NEW_TOKENS
+    best = sum(step.max().item() for step in logprobs) / NEW_TOKENS
+    return _Counterfactual(out.logits[0][0].float().numpy(), forced.processed, loglik, best)
 
 
 class _ForceTokens:
@@ -138,7 +181,10 @@ class TextGeneration:
             kind = parallel.choose_parallelism(config, world_size, backend.settings.moe_parallelism)
             tokenizer = AutoTokenizer.from_pretrained(model_dir, **code)
             if kind == Parallelism.none:
-                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **code).to(backend.device)
+                # PreTrainedModel.to is typed as functools.wraps leaves Module.to: unbound, its first argument a model
+                model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **code).to(
+                    backend.device  # type: ignore[arg-type]
+                )
             else:
                 model = parallel.load_sharded(AutoModelForCausalLM, config, str(model_dir), dtype, world_size, kind,
                                               spec.trust_remote_code)  # fmt: skip
@@ -159,11 +205,14 @@ class TextGeneration:
             backend.synchronize()
             return out
 
-        model.forward = backend.compile(model.forward)
+        recorder = RoutingRecorder(model)  # its hooks go in before the compile, so that the graphs hold them
+        model.forward = recorder.wrap(backend.compile(model.forward))
         # The first call compiles and generates; the second only generates. Their difference is the compile
-        # time; the first call's output is what an unmodified user run produces.
+        # time; the first call's output is what an unmodified user run produces (and its routing, a MoE's).
+        recorder.recording = True
         with phase(ErrorClass.compile), clock.time("first"):
             out = generate()
+        recorder.recording = False
         with phase(ErrorClass.runtime), clock.time("generate"):
             generate()
         tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
@@ -180,6 +229,11 @@ class TextGeneration:
                 long = generate(long_tokens, output_scores=False)
             long_ids = long.sequences[0, prompt_length:].tolist()
             long_finite = all(bool(torch.isfinite(step).all()) for step in long.logits)
+        routing = recorder.routing(prompt_length)
+        if world_size > 1 and not parallel.same_on_every_rank(_digest(routing), model.device):
+            # a rank-local fault (a skipped all-reduce, a wrong shard) can route one rank otherwise: then no rank's
+            # routing is the model's, and a run with no routing record has nothing excused as a flipped expert
+            routing = None
         performance = Performance()
         if backend.settings.perf_iterations:
             with phase(ErrorClass.runtime), clock.time("perf"):
@@ -196,6 +250,7 @@ class TextGeneration:
             resources=Resources(peak_memory_bytes=backend.peak_memory_bytes(), **compile_record(model, backend)),
             long_token_ids=long_ids,
             long_finite=long_finite,
+            routing=routing,
             performance=performance,
         )
 
@@ -221,8 +276,15 @@ class TextGeneration:
         own = kwargs | _generation_kwargs(
             tokenizer, prompt_length, long_tokens, len(acc_long) if acc_long else NEW_TOKENS
         )
+        # MoE: the routing of each generate below at the positions whose forward chose one of the 32 tokens, as the
+        # accelerator recorded its own (the same cache, the same shapes: only the run's rounding differs)
+        recorder = RoutingRecorder(model, top=True)
+        model.forward = recorder.wrap(model.forward)
+        positions = prompt_length + NEW_TOKENS - 1
         with phase(ErrorClass.runtime), clock.time("generate"), torch.inference_mode():
+            recorder.recording = True
             out = model.generate(**inputs, **own)
+            own_routing = recorder.routing(prompt_length, positions)  # stored, for a run that reuses it
             own_tokens = out.sequences[0, prompt_length:].tolist()
             own_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in
                             zip(out.logits, own_tokens, strict=True)]  # fmt: skip
@@ -230,13 +292,26 @@ class TextGeneration:
             reference_loglik = sum(own_logprobs[:NEW_TOKENS]) / NEW_TOKENS
             if acc_tokens == ref_tokens:  # the reference's own run already went through the accelerator's prefix
                 raw_steps, processed_steps = out.logits, [step[0].float() for step in out.scores]
+                routing = own_routing
             else:
+                recorder.calls.clear()
                 forced = _ForceTokens(acc_tokens, prompt_length)
                 scored = model.generate(**inputs, **kwargs, logits_processor=LogitsProcessorList([forced]))
                 raw_steps, processed_steps = scored.logits, forced.processed
+                routing = recorder.routing(prompt_length, positions)
+            recorder.recording = False
         steps, acc_loglik, reordered = [], 0.0, []
-        # MoE: the routing at each step a divergence may come from (one more forward, only when the tokens differ)
-        margins = step_routing_margins(model, inputs, acc_tokens) if acc_tokens != ref_tokens else None
+        # where the accelerator's own routing parted from the reference's on the same prefix
+        flips = None
+        if routing is not None and spec.accelerator.routing is not None:
+            flips = routing_flips(spec.accelerator.routing, routing)
+        artifacts = Artifacts(spec.artifacts)
+        # the smallest k-th-minus-(k+1)-th router gap over the layers at each position, which the row and each step
+        # describe (the prompt's, each step's own); the rule reads the flips' own margins instead
+        k = experts_per_token(model) or 0
+        raw_margins = None if routing is None else routing.smallest_margins(k)
+        smallest = None if raw_margins is None else [m if math.isfinite(m) else None for m in raw_margins]
+        margins = None if smallest is None else smallest[prompt_length - 1 :]
         for i, token in enumerate(acc_tokens):
             raw = torch.log_softmax(raw_steps[i][0].float(), -1)
             acc_loglik += raw[token].item() / NEW_TOKENS
@@ -245,14 +320,28 @@ class TextGeneration:
             if int(raw.argmax()) != best:
                 reordered.append(i)
             if best != token:
-                gap = processed[best].item() - processed[token].item()
-                rank = int((processed > processed[token]).sum())
+                gap, rank = _gap_and_rank(processed_steps[i], token)
                 steps.append(StepEvidence(i, token, best, gap, rank, margins[i] if margins else None))
-        artifacts = Artifacts(spec.artifacts)
-        np.save(artifacts.reference_prefill, out.logits[0][0].float().numpy())
+        ref_prefill = out.logits[0][0].float().numpy()
+        np.save(artifacts.reference_prefill, ref_prefill)
+        # The counterfactual, where the routing flipped and something would need its excuse: the prefill past its
+        # tolerance, a divergent step that is no near tie, or implausible text. Its own 32-token generate, announced
+        # as its own phase.
+        tol, acc_prefill = Tolerances.for_dtype(backend.dtype), np.load(artifacts.prefill)
+        counterfactual = None
+        needed = (
+            _relative_error(acc_prefill, ref_prefill) > tol.prefill
+            or any(not is_near_tie(step, tol) for step in steps)
+            or acc_loglik < reference_loglik - tol.loglik_slack
+        )
+        if flips and needed and spec.accelerator.routing is not None:
+            with phase(ErrorClass.runtime), clock.time("counterfactual"), torch.inference_mode():
+                counterfactual = _forced_routing(model, inputs, kwargs, acc_tokens, spec.accelerator.routing)
+        if counterfactual is not None:
+            steps = [counterfactual.scored(step) for step in steps]
         accelerator_steps = np.load(artifacts.step_logits) if artifacts.step_logits.exists() else None
         step_errors = None if accelerator_steps is None else [
-            float(np.linalg.norm(accelerator_steps[i] - ref) / np.linalg.norm(ref))
+            _relative_error(accelerator_steps[i], ref)
             for i, ref in enumerate(step[0].float().numpy() for step in raw_steps[: len(accelerator_steps)])
         ]  # fmt: skip
         data = {
@@ -261,8 +350,10 @@ class TextGeneration:
             "reference_loglik": reference_loglik,
             "generate_s": clock.seconds["generate"],
             "peak_rss_bytes": peak_rss_bytes(),
-            "routing_margin": routing_margin(model, inputs),
+            "routing_margin": _smallest(smallest[:prompt_length]) if smallest else None,  # the prompt's: the same
         }
+        if own_routing is not None:
+            data["routing"] = own_routing.model_dump()
         long_logprobs = None
         if acc_long:  # the reference's long text, and the accelerator's scored under it on its own prefix
             data |= {"long_token_ids": own_tokens, "long_logprobs": own_logprobs}
@@ -275,24 +366,52 @@ class TextGeneration:
             processor_reordered_steps=reordered,
             step_rel_errors=step_errors,
             long_logprobs=long_logprobs,
+            routing_flips=flips,
+            forced_prefill_rel_error=None
+            if counterfactual is None
+            else _relative_error(acc_prefill, counterfactual.prefill_logits),
+            forced_accelerator_loglik=None if counterfactual is None else counterfactual.accelerator_loglik,
+            forced_reference_loglik=None if counterfactual is None else counterfactual.best_loglik,
         )
 
     def reuse(self, acc: AcceleratorData, stored: dict[str, Any]) -> ReferenceResult | None:
         """The reference's findings from a stored run, without running the model; None when that is not enough.
 
         When the accelerator produced exactly the reference's tokens, scoring them teacher-forced under the
-        reference gives the reference's own log-probs: the stored ones. A divergence needs the model, to
-        score the accelerator's prefix.
+        reference gives the reference's own log-probs: the stored ones. So for the long generation: the same long
+        tokens get the stored long log-probs, and the check decides as a fresh reference would. A divergence (of
+        either), a stored run without what this one needs (its long generation, a MoE's routing: a reference
+        stored with the tiers off, or by an older runner), or a MoE whose routing flipped in the prompt (only the
+        counterfactual can excuse what that moved), needs the model.
         """
         if acc.token_ids != stored["token_ids"]:
             return None
-        return ReferenceResult(data=stored, accelerator_loglik=stored["reference_loglik"], reused=True)
+        long_logprobs = None
+        if acc.long_token_ids is not None:
+            if acc.long_token_ids != stored.get("long_token_ids"):
+                return None
+            long_logprobs = stored["long_logprobs"]
+        flips = None
+        if acc.routing is not None:
+            stored_routing = Routing.model_validate(stored["routing"]) if stored.get("routing") else None
+            if stored_routing is None or stored_routing.top_logits is None:  # an older runner's: no router logits
+                return None
+            flips = routing_flips(acc.routing, stored_routing)
+            if flips and any(flip.step <= 0 for flip in flips):  # the prefill may need the counterfactual's excuse
+                return None
+        return ReferenceResult(
+            data=stored,
+            accelerator_loglik=stored["reference_loglik"],
+            reused=True,
+            long_logprobs=long_logprobs,
+            routing_flips=flips,
+        )
 
     def conclude(self, acc: AcceleratorData, found: ReferenceResult, artifacts: Artifacts, dtype: str) -> Conclusion:
         """Evidence → verdict (without the judge, which a sharded run asks next), and the comparison."""
         ref = found.data
         acc_prefill, ref_prefill = np.load(artifacts.prefill), np.load(artifacts.reference_prefill)
-        prefill_error = float(np.linalg.norm(acc_prefill - ref_prefill) / np.linalg.norm(ref_prefill))
+        prefill_error = _relative_error(acc_prefill, ref_prefill)
         acc_tokens, ref_tokens = acc.token_ids or [], ref["token_ids"]
         assert found.accelerator_loglik is not None
         comparison = Comparison(
@@ -315,10 +434,23 @@ class TextGeneration:
                 "reference_peak_rss_bytes": ref["peak_rss_bytes"],
                 # each step's raw logits against the reference's on the same prefix (none from a stored reference)
                 "step_rel_errors": found.step_rel_errors,
+                # MoE: how many (position, layer) choices the routing flipped, and where it first parted from the
+                # reference's (the flips no earlier one explains; what an excused divergence rests on); the
+                # accelerator's prefill against the reference made to choose the accelerator's experts
+                **routing_evidence(found),
             },
         )
         sharded = acc.placement.parallelism != Parallelism.none
-        evidence = Evidence(comparison, found.divergent_steps, finite=acc.finite, sharded=sharded)
+        evidence = Evidence(
+            comparison,
+            found.divergent_steps,
+            finite=acc.finite,
+            sharded=sharded,
+            routing_flips=found.routing_flips,
+            forced_prefill_rel_error=found.forced_prefill_rel_error,
+            forced_accelerator_loglik=found.forced_accelerator_loglik,
+            forced_reference_loglik=found.forced_reference_loglik,
+        )
         long = NOT_RUN
         if acc.long_token_ids is not None and found.long_logprobs is not None:
             long = long_outcome(acc.long_token_ids, ref["long_token_ids"], found.long_logprobs, ref["long_logprobs"],

@@ -27,7 +27,7 @@ from services.runner.failures import RunFailure, phase
 from services.runner.measure import Stopwatch, accelerator_timings, compile_record
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks.conclusion import ComparesOutputs, Conclusion
-from shared.contracts.enums import ErrorClass, Parallelism, Task, Verdict
+from shared.contracts.enums import ErrorClass, Fault, Parallelism, Task, Verdict
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, Output, Resources
 from shared.testconfig import IMAGE_GUIDANCE, IMAGE_PROMPT, IMAGE_SEED, IMAGE_SIZE, IMAGE_STEPS, ImageTolerances
@@ -149,7 +149,7 @@ class TextToImage(ComparesOutputs):
         clock = Stopwatch(announce=spec.phase_file)
         with phase(ErrorClass.load), clock.time("load"):
             pipeline = Pipeline(spec, backend, accelerated=True)
-        if backend.fault == "wrong_pooling":
+        if backend.fault == Fault.wrong_pooling:
             raise ValueError("wrong_pooling is a fault of a sentence-transformers pipeline, not of an image model")
         if backend.fault:
             faults.inject_module(pipeline.denoiser, backend.fault)
