@@ -22,7 +22,9 @@ rm -rf "$checks" && mkdir -p "$checks"
         echo mkdocs >>"$checks/failed"
 ) &
 static=$!
-trap 'pkill -P "$static" 2>/dev/null; kill "$static" 2>/dev/null || true' EXIT # an interrupted run leaves none behind
+# An interrupted run leaves none behind. Each command ends in `|| true`: under `set -e` a trap's failing command (pkill
+# finding nothing, as after a whole run) would make the script exit 1 whatever the suite said.
+trap 'pkill -P "$static" 2>/dev/null || true; kill "$static" 2>/dev/null || true' EXIT
 # Two test processes (pytest-xdist), a file each at a time: the suite's runners and workers keep one CPU busy on
 # average, so a 2-CPU machine runs it in about two thirds of the time. SUPPORTMATRIX_TEST_PROCESSES=0: serial.
 status=0
