@@ -8,11 +8,11 @@ from typing import Annotated, Any
 from fastapi import Path, Query
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from shared.contracts.enums import ErrorClass, JobState, Task
+from shared.contracts.enums import Task
 from shared.contracts.run import CoreCount, RuntimeInfo, Stack
 from shared.hub.client import MODEL_ID_PATTERN, REVISION_PATTERN, is_model_id, is_revision
 from shared.jobs.submission import TASK_BY_PIPELINE
-from shared.results.records import ResultRecord
+from shared.results.records import JobRecord, ResultRecord
 
 COMPILER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$"
 
@@ -78,31 +78,10 @@ class JobCreate(BaseModel):
     )
 
 
-class JobOut(RuntimeInfo):
+class JobOut(JobRecord):  # its fields: the job's columns, as JobRecord derives them
     """A job: what runs it (the runtime identity), where it is, and how it ended."""
 
     model_config = ConfigDict(from_attributes=True)
-
-    id: int
-    model_id: str
-    revision: str | None
-    sha: str
-    task: str
-    cores: int
-    queue: str
-    submitted_by: str | None = Field(description="the API token that submitted it (or its sweep); null: scheduled")
-    state: JobState
-    attempts: int = Field(description="deliveries of the accelerator stage")
-    verdict_queue: str | None = Field(description="the verdict queue of the host that ran the accelerator stage")
-    verdict_attempts: int = Field(description="deliveries of the verdict stage")
-    judging_at: dt.datetime | None = Field(description="when the accelerator stage ended and released its cores")
-    lease_owner: str | None
-    heartbeat_at: dt.datetime | None
-    created_at: dt.datetime
-    started_at: dt.datetime | None
-    finished_at: dt.datetime | None
-    error_class: ErrorClass | None
-    error_message: str | None
 
 
 class SubmittedJob(JobOut):

@@ -27,6 +27,10 @@ class UTCDateTime(sa.TypeDecorator[dt.datetime]):
     impl = sa.DateTime(timezone=True)
     cache_ok = True
 
+    @property
+    def python_type(self) -> type:  # a decorator's own is object: a record derived from the column reads this
+        return dt.datetime
+
     def process_bind_param(self, value: dt.datetime | None, dialect: sa.Dialect) -> dt.datetime | None:
         if value is None:
             return None
@@ -125,16 +129,17 @@ class Job(RuntimeIdentity, Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     model_id: Mapped[str] = mapped_column(sa.String(200), index=True)
-    revision: Mapped[str | None] = mapped_column(sa.String(200))  # as requested
-    sha: Mapped[str] = mapped_column(sa.String(40))  # as resolved on the Hub
+    revision: Mapped[str | None] = mapped_column(sa.String(200), doc="the revision asked for (default: main)")
+    sha: Mapped[str] = mapped_column(sa.String(40), doc="the commit it resolved to on the Hub: what was tested")
     task: Mapped[str] = mapped_column(sa.String(64))
     config_hash: Mapped[str] = mapped_column(sa.String(16), server_default="")  # shared.testconfig: what it runs
     gated: Mapped[bool] = mapped_column(default=False, server_default=sa.false())  # the runner gets HF_TOKEN
     # The repo's own code runs (an allow-listed org's custom_code repo), pinned to the commit it was sized at.
     trust_remote_code: Mapped[bool] = mapped_column(default=False, server_default=sa.false())
-    # The API token that submitted it (its name: names are never reused), or its sweep's; None for the
-    # schedule's sweeps. A submit token cancels only its own jobs.
-    submitted_by: Mapped[str | None] = mapped_column(sa.String(TOKEN_NAME_WIDTH))
+    # The token's name: names are never reused. A submit token cancels only its own jobs.
+    submitted_by: Mapped[str | None] = mapped_column(
+        sa.String(TOKEN_NAME_WIDTH), doc="the API token that submitted it (or its sweep); null: scheduled"
+    )
     cores: Mapped[int] = mapped_column(default=1)
     # The digest of its stack (``Stack.digest``): written as the row is inserted, never changed (a job keeps its stack)
     stack_digest: Mapped[str] = mapped_column(
@@ -142,11 +147,15 @@ class Job(RuntimeIdentity, Base):
     )
     queue: Mapped[str] = mapped_column(sa.String(200))
     state: Mapped[JobState] = mapped_column(enum_column(JobState), default=JobState.queued, index=True)
-    attempts: Mapped[int] = mapped_column(default=0)  # deliveries of the accelerator stage
+    attempts: Mapped[int] = mapped_column(default=0, doc="deliveries of the accelerator stage")
     # The verdict stage runs on the host that holds the accelerator stage's artifacts: that host's queue.
-    verdict_queue: Mapped[str | None] = mapped_column(sa.String(200))
-    verdict_attempts: Mapped[int] = mapped_column(default=0, server_default="0")
-    judging_at: Mapped[dt.datetime | None]  # the accelerator stage ended and the cores were released
+    verdict_queue: Mapped[str | None] = mapped_column(
+        sa.String(200), doc="the verdict queue of the host that ran the accelerator stage"
+    )
+    verdict_attempts: Mapped[int] = mapped_column(default=0, server_default="0", doc="deliveries of the verdict stage")
+    judging_at: Mapped[dt.datetime | None] = mapped_column(
+        doc="when the accelerator stage ended and released its cores"
+    )
     enqueued_at: Mapped[dt.datetime | None]  # the last time a message was sent for it (the reconciler re-sends)
     resends: Mapped[int] = mapped_column(default=0, server_default="0")  # messages the reconciler sent again
     # Every delivery that took the lease: owner, stage, start, and how it ended — what ERROR(worker_lost) lists.

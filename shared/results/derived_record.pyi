@@ -2,7 +2,8 @@
 
 from datetime import datetime
 
-from shared.contracts.enums import CacheOutcome, CompilePath, ErrorClass, LongOutcome, Parallelism
+from shared.contracts.enums import CacheOutcome, CompilePath, ErrorClass, JobState, LongOutcome, Parallelism
+from shared.contracts.run import RuntimeInfo
 from shared.results.records import RecordHead
 
 class ResultRecord(RecordHead):
@@ -80,3 +81,25 @@ class ResultRecord(RecordHead):
     compiler_build: str | None = None
     job_id: int
     finished_at: datetime
+
+class JobRecord(RuntimeInfo):
+    id: int
+    model_id: str
+    revision: str | None
+    sha: str
+    task: str
+    cores: int
+    queue: str
+    submitted_by: str | None
+    state: JobState
+    attempts: int
+    verdict_queue: str | None
+    verdict_attempts: int
+    judging_at: datetime | None
+    lease_owner: str | None
+    heartbeat_at: datetime | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    error_class: ErrorClass | None
+    error_message: str | None

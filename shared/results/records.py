@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from shared.contracts.enums import SweepState, Verdict
 from shared.contracts.fields import FieldShape, Int32, shape_of
 from shared.contracts.report import row_fields
-from shared.contracts.run import IDENTITY_VERSIONS
+from shared.contracts.run import IDENTITY_VERSIONS, RuntimeInfo
 from shared.db.models import Job, Result, ResultsVersion, Sweep, SweepEntry
 from shared.results.cells import CellStatus
 
@@ -105,6 +105,37 @@ else:
         **SAME_NAMED_RESULT_COLUMNS,
         job_id=(int, ...),
         finished_at=(dt.datetime, ...),
+    )
+
+
+# The job's columns a client reads (``GET /jobs``), past what runs it (``RuntimeInfo``): how it was asked for, where it
+# is, how it ended. Its identity hash, stack digest, attempt log and re-sends stay in SQL.
+JOB_RECORD_COLUMNS = (
+    "id", "model_id", "revision", "sha", "task", "cores", "queue", "submitted_by", "state", "attempts",
+    "verdict_queue", "verdict_attempts", "judging_at", "lease_owner", "heartbeat_at", "created_at", "started_at",
+    "finished_at", "error_class", "error_message",
+)  # fmt: skip
+
+
+def _job_record_fields() -> dict[str, tuple[Any, FieldInfo]]:
+    """Each of the job's published columns as a record field: typed as the column holds it (None where it may be
+    NULL), described by its ``doc``, required — a job always has every one."""
+    fields: dict[str, tuple[Any, FieldInfo]] = {}
+    for name in JOB_RECORD_COLUMNS:
+        column = Job.__table__.c[name]
+        held: Any = column.type.python_type
+        fields[name] = (held | None if column.nullable else held, FieldInfo.from_field(..., description=column.doc))
+    return fields
+
+
+if TYPE_CHECKING:
+    from shared.results.derived_record import JobRecord
+else:
+    JobRecord = create_model(
+        "JobRecord",
+        __base__=RuntimeInfo,
+        __doc__="A job: what runs it (the runtime identity), where it is, and how it ended.",
+        **_job_record_fields(),
     )
 
 
