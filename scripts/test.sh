@@ -27,8 +27,9 @@ static=$!
 trap 'pkill -P "$static" 2>/dev/null || true; kill "$static" 2>/dev/null || true' EXIT
 # Two test processes (pytest-xdist), a file each at a time: the suite's runners and workers keep one CPU busy on
 # average, so a 2-CPU machine runs it in about two thirds of the time. SUPPORTMATRIX_TEST_PROCESSES=0: serial.
+# --durations: every run's log says where its time went (the suite's budget is 15 minutes on a fresh clone).
 status=0
-.venv/bin/python -m pytest -n "${SUPPORTMATRIX_TEST_PROCESSES:-2}" --dist loadfile "$@" || status=$?
+.venv/bin/python -m pytest -n "${SUPPORTMATRIX_TEST_PROCESSES:-2}" --dist loadfile --durations=25 "$@" || status=$?
 wait "$static"
 if [ -f "$checks/failed" ]; then
     for check in $(cat "$checks/failed"); do
