@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from shared.contracts.enums import Task
+from shared.settings import Settings, verdict_settings
 
 PROMPT = "The history of the printing press begins in"
 NEW_TOKENS = 32
@@ -172,6 +173,13 @@ def config_hash(task: str, verdict_settings: Mapping[str, object] | None = None)
     settings = {"settings": dict(verdict_settings)} if verdict_settings else {}
     body = json.dumps({"task": task, **test_config(task), **settings}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def planned_config_hash(task: str, cores: int, settings: Settings) -> str:
+    """The test a job of ``task`` over ``cores`` is, as a process configured with ``settings`` plans or runs it: the
+    API hashes it into the job's identity, and a worker runs only a job whose hash is its own (``shared.jobs.lease.
+    refuse_other_test``), so that a row never says it ran the test it was planned as under another judge or split."""
+    return config_hash(task, verdict_settings(settings, task, cores))
 
 
 def reference_key(

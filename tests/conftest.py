@@ -326,6 +326,24 @@ def worker(hub: Any, verdict_worker: WorkerProcess) -> Iterator[WorkerProcess]:
 
 
 @pytest.fixture
+def planned_with(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Set this process's settings — what the in-process API plans jobs under — for one test: ``planned_with(
+    SUPPORTMATRIX_JUDGE_KIND="openai")``; a value of None unsets it."""
+    from shared.settings import get_settings
+
+    def plan_with(**env: str | None) -> None:
+        for name, value in env.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        get_settings.cache_clear()
+
+    yield plan_with
+    get_settings.cache_clear()
+
+
+@pytest.fixture
 def start_worker(hub: Any) -> Iterator[Any]:
     """Start extra workers for one test; they are stopped (and deregistered) when it ends."""
     started: list[WorkerProcess] = []

@@ -48,32 +48,39 @@ TIERS_ON = {"SUPPORTMATRIX_LONG_GENERATION": "true"}
 def test_a_second_compiler_version_reusing_the_reference_still_checks_its_long_generation(
     api: Any, verdict_worker: Any, start_worker: Any
 ) -> None:
-    """A stored reference carries its long generation. A late fault planted in a first compiler version (a cache
-    corrupted from 100 tokens on: its 32 tokens are the reference's) is caught by the reference it computes, which
-    stores its own long generation; a second compiler version of the model, tiers on, then reuses that reference (its
-    32 and long tokens are the stored ones) and gets its long-generation outcome from it, without running the model.
-    Compilers no other worker serves, so that the tiers are on for both."""
+    """Two compiler versions of one model, tiers on, as a sweep runs them: the first computes the reference and stores
+    its long generation with it. The second carries a late fault (a cache corrupted from token 100 on: its 32 tokens
+    are the reference's, so the stored reference is looked up): its long tokens are not the stored ones, so the model
+    runs again, and the fault is caught. A rerun of the first then reuses the reference without running the model,
+    and gets its long-generation outcome from it. Every row has one. Compilers no other worker serves, so that the
+    tiers are on for all three runs."""
     model = "refs/tiny-llama"  # no other test submits it
-    faulted, clean = "aot_eager_decomp_partition-2.13.0+cpu", "eager-2.13.0+cpu"
-    start_worker("w-refs-long-a", SUPPORTMATRIX_CPU_COMPILE_BACKEND="aot_eager_decomp_partition",
+    clean, faulted = "eager-2.13.0+cpu", "aot_eager_decomp_partition-2.13.0+cpu"
+    start_worker("w-refs-long-a", SUPPORTMATRIX_CPU_COMPILE_BACKEND="eager", **TIERS_ON)
+    start_worker("w-refs-long-b", SUPPORTMATRIX_CPU_COMPILE_BACKEND="aot_eager_decomp_partition",
                  SUPPORTMATRIX_CPU_FAULT="late_corruption", **TIERS_ON)  # fmt: skip
-    start_worker("w-refs-long-b", SUPPORTMATRIX_CPU_COMPILE_BACKEND="eager", **TIERS_ON)
-    for compiler in (faulted, clean):  # one after the other: the second's verdict stage finds the first's reference
-        [job] = submit(api, model, compilers=[compiler])
+    jobs = []
+    for compiler, force in [(clean, False), (faulted, False), (clean, True)]:  # in turn: each finds the reference
+        [job] = submit(api, model, compilers=[compiler], force=force)
         assert wait_for_job(api, job["id"], FINISHED, timeout=300)["state"] == "done"
+        jobs.append(job["id"])
     with new_session() as session:
-        assert references.count(session, model) == 1
+        assert references.count(session, model) == 1  # the faulted run's reference is the same run: not stored twice
         [(stored, _)] = [references.load(session, r.key) for r in session.query(ReferenceRun).filter_by(model_id=model)]
     assert stored is not None and len(stored.data["long_token_ids"]) == len(stored.data["long_logprobs"]) > 200
-    rows = {r["neuronx_cc"]: r for r in result_rows(api, model_id=model)}
-    assert len(rows) == 2 and [rows[c]["result"] for c in (faulted, clean)] == ["PASS", "PASS"]
-    # the fault's long tokens are not the reference's: the reference that ran says what happened
-    assert rows[faulted]["reference_reused"] is False
-    assert rows[faulted]["long_generation"] in (LongOutcome.collapsed, LongOutcome.diverged), rows[faulted]
-    assert rows[faulted]["long_first_divergence"] >= LATE_STEP
-    # the clean run's long tokens are the stored ones: reused, and decided as a fresh reference decides them
-    assert rows[clean]["reference_reused"] is True, rows[clean]
-    assert rows[clean]["long_generation"] == LongOutcome.ok and rows[clean]["long_first_divergence"] is None
+    rows = {r["job_id"]: r for r in result_rows(api, model_id=model)}
+    assert sorted(rows) == jobs and [rows[j]["result"] for j in jobs] == ["PASS"] * 3
+    first, second, rerun = (rows[j] for j in jobs)
+    assert (first["neuronx_cc"], second["neuronx_cc"], rerun["neuronx_cc"]) == (clean, faulted, clean)
+    # the first ran the reference: its long generation is the reference's own
+    assert first["reference_reused"] is False and first["long_generation"] == LongOutcome.ok
+    # the second's 32 tokens are the stored ones, its long tokens are not: the model ran, and the fault is caught
+    assert second["reference_reused"] is False, second
+    assert second["long_generation"] in (LongOutcome.collapsed, LongOutcome.diverged), second
+    assert second["long_first_divergence"] >= LATE_STEP
+    # the rerun's long tokens are the stored ones: reused, and decided as a fresh reference decides them
+    assert rerun["reference_reused"] is True, rerun
+    assert rerun["long_generation"] == LongOutcome.ok and rerun["long_first_divergence"] is None
 
 
 def test_a_stored_reference_decides_the_long_generation_as_a_fresh_one_and_asks_for_the_model_when_it_cannot() -> None:

@@ -117,7 +117,12 @@ def secrets_in(runner: psutil.Process, secrets: list[str]) -> list[str]:
     return found
 
 
-def test_a_hosts_verdict_stage_runs_there_and_only_the_judge_holds_its_token(api: Any, start_worker: Any) -> None:
+def test_a_hosts_verdict_stage_runs_there_and_only_the_judge_holds_its_token(
+    api: Any, start_worker: Any, planned_with: Any
+) -> None:
+    """A host whose workers judge sharded runs with an LLM (the API plans under the same judge, as one ConfigMap
+    gives them): the verdict stage runs on the host that holds the artifacts, and only the judge's process holds its
+    token. A job the API then plans under another judge is not run as if it were this one: it ends ERROR at once."""
     from tests.test_judges import ChatEndpoint
 
     endpoint = ChatEndpoint()
@@ -127,6 +132,7 @@ def test_a_hosts_verdict_stage_runs_there_and_only_the_judge_holds_its_token(api
             "SUPPORTMATRIX_JUDGE_URL": endpoint.url, "SUPPORTMATRIX_JUDGE_MODEL": "judge-model", **secrets}  # fmt: skip
     accelerators = start_worker("w-judgehost", "0-1", SUPPORTMATRIX_CPU_COMPILE_BACKEND="eager", **host)
     verdicts = start_worker("v-judgehost", None, **host)
+    planned_with(SUPPORTMATRIX_JUDGE_KIND="openai", SUPPORTMATRIX_JUDGE_MODEL="judge-model")
     try:
         [job] = submit(api, "stage/tiny-llama", cores=2, compilers=["eager-2.13.0+cpu"])
         runner = stage_runner(accelerators, job["id"], "accelerator")
@@ -146,6 +152,19 @@ def test_a_hosts_verdict_stage_runs_there_and_only_the_judge_holds_its_token(api
         assert [r["auth"] for r in endpoint.requests] == ["Bearer judge-secret"] * 2
         assert runner_starts(verdicts, job["id"], "judge") == 1
         assert_no_secret_anywhere(list(secrets.values()), row, [accelerators.log, verdicts.log])
+        # The API back on its default judge: the same model over 2 cores is another test (its config_hash), which
+        # these workers do not run. Alone in the queue, under default timeouts: ERROR at once, one row, saying why.
+        planned_with(SUPPORTMATRIX_JUDGE_KIND=None, SUPPORTMATRIX_JUDGE_MODEL=None)
+        [other] = submit(api, "stage/tiny-llama", cores=2, compilers=["eager-2.13.0+cpu"])
+        assert other["id"] != job["id"]  # not the finished job: another test
+        assert wait_for_job(api, other["id"], FINISHED, timeout=60)["state"] == "failed"
+        rows = [r for r in result_rows(api, model_id="stage/tiny-llama") if r["job_id"] in (job["id"], other["id"])]
+        assert sorted(r["job_id"] for r in rows) == [job["id"], other["id"]]  # one row each
+        [refused] = [r for r in rows if r["job_id"] == other["id"]]
+        assert refused["result"] == "ERROR" and refused["error_class"] == "internal", refused
+        said = refused["error_message"]
+        assert "configured out of step" in said and "judge_kind=openai, " in said, said
+        assert runner_starts(accelerators, other["id"], "accelerator") == 0  # refused before any runner started
     finally:
         endpoint.server.shutdown()
 

@@ -3,7 +3,6 @@ evidence cases), and the settings that decide a verdict by the job's config_hash
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from enum import Enum
 from typing import Any, get_args
 
@@ -11,10 +10,12 @@ import pytest
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import Task
+from shared.db.models import Job
 from shared.hub.client import ResolvedModel
+from shared.jobs.lease import refuse_other_test
 from shared.jobs.submission import submit
-from shared.settings import VERDICT_SETTINGS, Settings, get_settings, setting_role, verdict_settings
-from shared.testconfig import VERDICT_RULE_VERSION, config_hash
+from shared.settings import VERDICT_SETTINGS, Settings, setting_role, verdict_settings
+from shared.testconfig import VERDICT_RULE_VERSION, config_hash, planned_config_hash
 from tests.history import runtime
 from tests.verdict_corpus import load, written_now
 
@@ -75,28 +76,25 @@ def test_a_setting_that_decides_a_verdict_makes_a_sharded_text_generation_job_an
     # A run that reads none of them keeps its test's hash: an unsharded one, another task's, a CPU reference's key
     for task, cores in [(Task.text_generation.value, 1), (Task.feature_extraction.value, 2)]:
         assert config_hash(task, verdict_settings(other, task, cores)) == config_hash(task)
-
-
-@pytest.fixture
-def judged_by(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """Switch this process's settings (what the API plans under) to another judge."""
-
-    def switch(kind: str) -> None:
-        monkeypatch.setenv("SUPPORTMATRIX_JUDGE_KIND", kind)
-        get_settings.cache_clear()
-
-    yield switch
-    get_settings.cache_clear()
+    # A worker runs only the test a job was planned as: not a sharded job planned under another value (and it says
+    # which values it holds); an unsharded one, which reads none of them, it runs
+    task = Task.text_generation.value
+    sharded = Job(id=7, task=task, cores=2, config_hash=planned_config_hash(task, 2, base))
+    assert refuse_other_test(sharded, base) is None
+    refused = refuse_other_test(sharded, other)
+    assert refused is not None and f"{name}={getattr(other, name)}" in refused and sharded.config_hash in refused
+    unsharded = Job(id=8, task=task, cores=1, config_hash=planned_config_hash(task, 1, base))
+    assert refuse_other_test(unsharded, other) is None
 
 
 def test_another_judge_is_another_test_for_a_sharded_job_and_the_same_for_an_unsharded_one(
-    session: Session, judged_by: Any
+    session: Session, planned_with: Any
 ) -> None:
     model = ResolvedModel(model_id="org/judged", sha="a" * 40, gated=False, pipeline_tag=None)
     rt = runtime("2.21.0+x", "5.24.0")
-    judged_by("likelihood")
+    planned_with(SUPPORTMATRIX_JUDGE_KIND="likelihood")
     [sharded], [unsharded] = submit(session, model, None, [rt], cores=2), submit(session, model, None, [rt], cores=1)
-    judged_by("local")
+    planned_with(SUPPORTMATRIX_JUDGE_KIND="local")
     [sharded_again], [unsharded_again] = (
         submit(session, model, None, [rt], cores=2),
         submit(session, model, None, [rt], cores=1),

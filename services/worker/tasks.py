@@ -43,7 +43,15 @@ from shared.jobs.broker import (
     request_sweep,
 )
 from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
-from shared.jobs.lease import Claim, LeaseOwner, acquire_lease, heartbeat, refuse_other_stack, release_for_verdict
+from shared.jobs.lease import (
+    Claim,
+    LeaseOwner,
+    acquire_lease,
+    heartbeat,
+    refuse_other_stack,
+    refuse_other_test,
+    release_for_verdict,
+)
 from shared.jobs.outcomes import finish, job_report
 from shared.jobs.queues import EXPORT_TASK, JUDGE_JOB_TASK, RECONCILE_TASK, RUN_JOB_TASK, SWEEP_TASK, verdict_queue
 from shared.jobs.reconcile import claim_sweep
@@ -207,6 +215,9 @@ def run_job(self: Any, job_id: int) -> str:
     artifacts = Artifacts(artifact_dir(settings, job_id))
     shutil.rmtree(artifacts.root, ignore_errors=True)  # a previous, lost attempt's files
     artifacts.root.mkdir(parents=True)
+    if (other_test := refuse_other_test(job, settings)) is not None:
+        return _write_result(job_id, owner, job_report(job, Verdict.ERROR, ErrorClass.internal, other_test), artifacts,
+                             settings)  # fmt: skip
     request = _stage_request(job, Stage.accelerator, artifacts, core_range=str(group))
     secrets = accelerator_secrets(job, settings, hub_token())
     user, private = stage_user(artifacts, settings, runs_repo_code=job.trust_remote_code)
@@ -235,10 +246,10 @@ def judge_job(self: Any, job_id: int) -> str:
     if job is None:
         return spent
     artifacts = Artifacts(artifact_dir(settings, job_id))
-    if not artifacts.accelerator.exists():
-        message = f"the accelerator stage's artifacts are missing from {artifacts.root} on {settings.host_name}"
-        missing = job_report(job, Verdict.ERROR, ErrorClass.internal, message)
-        return _write_result(job_id, owner, missing, artifacts, settings)
+    missing = f"the accelerator stage's artifacts are missing from {artifacts.root} on {settings.host_name}"
+    if unrunnable := refuse_other_test(job, settings) or (None if artifacts.accelerator.exists() else missing):
+        return _write_result(job_id, owner, job_report(job, Verdict.ERROR, ErrorClass.internal, unrunnable), artifacts,
+                             settings)  # fmt: skip
     artifacts.verdict.unlink(missing_ok=True)  # a lost attempt's output is not this attempt's
     _hand_over_stored_reference(artifacts, settings)
     keep_lease = _lease_keeper(job_id, owner, settings)

@@ -3,7 +3,8 @@
 A worker runs a stage only after an UPDATE that moves the job from the stage's waiting state (or a stale lease)
 to its running state under the worker's own name, so a second delivery of a running or finished job does nothing.
 The lease is kept by heartbeats; a lapsed one may be taken over, up to ``max_attempts`` deliveries. Before any of
-that, a worker refuses a job planned for a software stack other than its own (``refuse_other_stack``).
+that, a worker refuses a job planned for a software stack other than its own (``refuse_other_stack``), and once it
+holds the lease, one planned as another test than its settings run (``refuse_other_test``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from shared.db.engine import rows_changed
 from shared.db.models import Job, utcnow
 from shared.jobs.attempts import Attempt, end_attempts, end_job_attempt
 from shared.jobs.outcomes import close_unattended, job_report
-from shared.settings import Settings
+from shared.settings import VERDICT_SETTINGS, Settings
+from shared.testconfig import planned_config_hash
 
 
 @dataclass(frozen=True)
@@ -207,3 +209,20 @@ def refuse_other_stack(session: Session, job_id: int, served: Stack, queue: str,
         close_unattended(session, job, job_report(job, Verdict.ERROR, ErrorClass.no_worker, message))
         return Refusal(f"{mismatch}: ended ERROR({ErrorClass.no_worker.value})")
     return Refusal(f"{mismatch}: left to its lease holder {job.lease_owner}")
+
+
+def refuse_other_test(job: Job, settings: Settings) -> str | None:
+    """Why a worker whose settings are ``settings`` must not run a stage of ``job``, or None: the settings that decide
+    its verdict (the judge, the MoE split: ``shared.settings.VERDICT_SETTINGS``) or its test config hash to another test
+    than the one the API planned, so that the row would say one test and hold another's verdict. Every worker of a
+    queue reads one configuration with the API (a ConfigMap, compose's environment), so this is a deployment out of
+    step, which a retry elsewhere would not mend: the caller ends the job ERROR(internal) with this reason."""
+    runs = planned_config_hash(job.task, job.cores, settings)
+    if runs == job.config_hash:
+        return None
+    values = ", ".join(f"{name}={getattr(settings, name)}" for name in VERDICT_SETTINGS)
+    return (
+        f"the service is configured out of step: job {job.id} was planned as test {job.config_hash}, and this worker's "
+        f"settings ({values}, with this code's test config) make it test {runs}; the API and every worker must share "
+        "the settings that decide a verdict"
+    )

@@ -27,8 +27,8 @@ from shared.hub.sizing import default_core_memory_bytes, run_dtype, size_model, 
 from shared.jobs.outcomes import settle
 from shared.jobs.queues import job_queue
 from shared.jobs.runtimes import plan_runtimes
-from shared.settings import Settings, get_settings, verdict_settings
-from shared.testconfig import config_hash
+from shared.settings import Settings, get_settings
+from shared.testconfig import planned_config_hash
 
 # The Hub's pipeline tags we know how to test, and the task each is tested as.
 TASK_BY_PIPELINE = {
@@ -95,7 +95,7 @@ _EXISTING = (
 
 def _identity(model: ResolvedModel, runtime: RuntimeInfo, task: str, cores: int) -> dict[str, object]:
     versions = runtime.stack().model_dump()
-    hashed = config_hash(task, verdict_settings(get_settings(), task, cores))  # this deployment's judge and split
+    hashed = planned_config_hash(task, cores, get_settings())  # this deployment's judge and split
     return {
         "model_id": model.model_id,
         "sha": model.sha,

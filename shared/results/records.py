@@ -134,7 +134,6 @@ else:
     JobRecord = create_model(
         "JobRecord",
         __base__=RuntimeInfo,
-        __doc__="A job: what runs it (the runtime identity), where it is, and how it ended.",
         **_job_record_fields(),
     )
 
