@@ -287,15 +287,33 @@ ORDERED = [
 ]
 
 
-def add_speed_rows(session: Any, rows: list[tuple[str, str, str, str, int, float]], verdict: str = "PASS") -> None:
-    """A finished job with its result for each (model, backend, compiler, version, cores, decode rate)."""
+# Two TorchNeuron releases on one neuronx-cc: two stacks of the cell, never averaged together. The newer is slower,
+# which a per-compiler-version mean (100 and 75 together, then nothing to compare) would not show.
+TORCH_NEURONX_BUMP = [
+    ("org/f", "neuron", "neuronx-cc", "2.27.5334.0", 1, 40.0, "2.8.0.1"),
+    ("org/f", "neuron", "neuronx-cc", "2.27.5334.0", 1, 30.0, "2.9.0.1"),
+]
+
+
+def stack_label(version: str, torch_neuronx: str = "") -> str:
+    """The ``stack`` label of a speed row's stack (``add_speed_rows``)."""
+    from shared.contracts.run import Stack
+
+    return Stack(compiler_version=version, torch_version="2.13.0", torch_neuronx_version=torch_neuronx,
+                 library_version="5.24.0").label()  # fmt: skip
+
+
+def add_speed_rows(session: Any, rows: list[tuple[Any, ...]], verdict: str = "PASS") -> None:
+    """A finished job with its result for each (model, backend, compiler, version, cores, decode rate[, TorchNeuron
+    version])."""
     from shared.contracts.enums import JobState, Verdict
     from shared.db.models import Job, Result
 
-    for model_id, backend, compiler, version, cores, rate in rows:
+    for model_id, backend, compiler, version, cores, rate, *torch_neuronx in rows:
         job = Job(model_id=model_id, sha="c" * 40, task="text-generation", compiler_version=version,
                   queue=f"supportmatrix.jobs.{backend}.{version}.c{cores}", state=JobState.done, backend=backend,
-                  compiler_name=compiler, library_version="5.24.0", torch_version="2.13.0", cores=cores)  # fmt: skip
+                  compiler_name=compiler, library_version="5.24.0", torch_version="2.13.0", cores=cores,
+                  torch_neuronx_version=torch_neuronx[0] if torch_neuronx else "")  # fmt: skip
         session.add(job)
         session.flush()
         session.add(Result(job_id=job.id, verdict=Verdict(verdict), cores=cores, compiler_version=version,
@@ -306,11 +324,12 @@ def add_speed_rows(session: Any, rows: list[tuple[str, str, str, str, int, float
 Labels = tuple[tuple[str, str], ...]
 
 
-def ratio_labels(model: str, cores: int, version: str, previous: str, backend: str = "neuron") -> Labels:
-    """The sorted labels of a text-generation cell's ``supportmatrix_decode_speed_ratio`` series."""
-    compiler = {"neuron": "neuronx-cc", "cpu": "inductor"}[backend]
-    labels = {"model_id": model, "task": "text-generation", "backend": backend, "compiler": compiler,
+def ratio_labels(model: str, cores: int, version: str, previous: str, neuronx: tuple[str, str] = ("", "")) -> Labels:
+    """The sorted labels of a neuron text-generation cell's ``supportmatrix_decode_speed_ratio`` series: its newest
+    and previous compiler versions, and TorchNeuron's on each (``neuronx``)."""
+    labels = {"model_id": model, "task": "text-generation", "backend": "neuron", "compiler": "neuronx-cc",
               "cores": str(cores), "compiler_version": version, "previous_compiler_version": previous}  # fmt: skip
+    labels |= {"stack": stack_label(version, neuronx[0]), "previous_stack": stack_label(previous, neuronx[1])}
     return tuple(sorted(labels.items()))
 
 
@@ -330,12 +349,13 @@ def per_version_mean(session: Any) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
-def test_decode_rates_are_per_cell_against_the_same_cells_previous_compiler_version(kind: str, tmp_path: Path) -> None:
-    """One ratio series per cell that has decode rates under two compiler versions or more, and none for a cell of
-    one version (org/a, org/c, the 2-core org/b, each compiler of the CPU backend: eager is never inductor's
+def test_decode_rates_are_per_cell_against_the_same_cells_previous_stack(kind: str, tmp_path: Path) -> None:
+    """One ratio series per cell that has decode rates on two software stacks or more, and none for a cell of
+    one stack (org/a, org/c, the 2-core org/b, each compiler of the CPU backend: eager is never inductor's
     previous). "Newest" is the newest version *with a PASS rate*: org/b's 2.28 rows all failed, so its ratio is
-    still 2.27's over 2.26's. A rerun is averaged into its cell; 2.10 follows 2.9; an rc follows its release. The
-    per-version mean of these rows (the family this replaced) drops by 62 % where no cell got slower."""
+    still 2.27's over 2.26's. A rerun is averaged into its cell; 2.10 follows 2.9; an rc follows its release; two
+    TorchNeuron releases on one neuronx-cc are two stacks of the cell (org/f). The per-version mean of these rows
+    (the family this replaced) drops by 62 % where no cell got slower."""
     from sqlalchemy.orm import Session
 
     with fresh_database(kind, tmp_path) as engine:
@@ -343,12 +363,14 @@ def test_decode_rates_are_per_cell_against_the_same_cells_previous_compiler_vers
             add_speed_rows(session, MIX_CHANGE + ORDERED)
             add_speed_rows(session, [("org/b", "neuron", "neuronx-cc", "2.28.7631.0", 1, 1.0)], verdict="FAIL")
             per_version = per_version_mean(session)
+            add_speed_rows(session, TORCH_NEURONX_BUMP)
         samples = scrape(lambda: Session(engine))
     assert per_version["2.27.5334.0"] == pytest.approx(0.38 * per_version["2.26.6360.0"], rel=0.01)
     assert values(samples, "supportmatrix_decode_speed_ratio") == {
         ratio_labels("org/b", 1, "2.27.5334.0", "2.26.6360.0"): pytest.approx(21 / 20),
         ratio_labels("org/d", 1, "2.10.0.0", "2.9.1.0"): pytest.approx(0.8),
         ratio_labels("org/e", 1, "2.28.0rc1", "2.28.0"): pytest.approx(0.5),
+        ratio_labels("org/f", 1, "2.27.5334.0", "2.27.5334.0", ("2.9.0.1", "2.8.0.1")): pytest.approx(0.75),
     }
     assert not values(samples, "supportmatrix_decode_tokens_per_second")  # no per-cell rate: nothing reads one
 
@@ -784,5 +806,6 @@ def test_a_real_prometheus_fires_on_a_cells_slowdown_and_not_on_a_changed_model_
             "alertname": alert, "severity": "ticket", "job": "supportmatrix-api",
             "instance": f"127.0.0.1:{api_port}", "model_id": "org/b", "task": "text-generation",
             "backend": "neuron", "compiler": "neuronx-cc", "cores": "1", "compiler_version": "2.28.7631.0",
-            "previous_compiler_version": "2.27.5334.0",
+            "previous_compiler_version": "2.27.5334.0", "stack": stack_label("2.28.7631.0"),
+            "previous_stack": stack_label("2.27.5334.0"),
         }  # fmt: skip

@@ -180,10 +180,10 @@ def build() -> Dashboard:
         )
         .with_panel(
             table.Panel()
-            .title("Decode rate against the previous compiler version (slowest cells)")
+            .title("Decode rate against the previous software stack (slowest cells)")
             .description(
-                "Per cell (model, task, backend, compiler, cores): its decode rate at batch 1 at its newest compiler "
-                "version over the same cell's at the version before; below 0.85 is a slowdown (alert "
+                "Per cell (model, task, backend, compiler, cores): its decode rate at batch 1 on its newest software "
+                "stack over the same cell's on the stack before; below 0.85 is a slowdown (alert "
                 "SupportmatrixCellDecodeSlower), to read in /changes."
             )
             .datasource(DATASOURCE)

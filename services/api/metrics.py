@@ -249,21 +249,22 @@ class StateCollector(Collector):
         yield family
 
     def throughput(self, session: Session) -> Iterator[Metric]:
-        """Each cell's decode rate at its newest compiler version against the same cell's at the version before:
-        one series per cell that has rates under two versions (a cell of one version has nothing to compare and
-        no series), so that a slowdown is a cell's, never a change of model mix."""
+        """Each cell's decode rate on its newest software stack against the same cell's on the stack before: one
+        series per cell that has rates on two stacks (a cell of one stack has nothing to compare and no series), so
+        that a slowdown is a cell's, never a change of model mix, and two stacks are never averaged together."""
         ratio = GaugeMetricFamily(
             "supportmatrix_decode_speed_ratio",
-            "A cell's decode rate at its newest compiler version over its rate at the version before (1: as fast)",
-            labels=[*stats.CELL_LABELS, "compiler_version", "previous_compiler_version"],
+            "A cell's decode rate on its newest software stack over its rate on the stack before (1: as fast)",
+            labels=[*stats.CELL_LABELS, "compiler_version", "previous_compiler_version", "stack", "previous_stack"],
         )
         for cell in stats.cell_speeds(session):
             newest, previous = cell.newest, cell.previous
             if previous is not None:
                 ratio.add_metric(
-                    [*cell.labels, newest.compiler_version, previous.compiler_version],
+                    [*cell.labels, newest.stack.compiler_version, previous.stack.compiler_version,
+                     newest.stack.label(), previous.stack.label()],
                     newest.tokens_per_s / previous.tokens_per_s,
-                )
+                )  # fmt: skip
         yield ratio
 
     def deliveries(self, session: Session) -> Iterator[Metric]:

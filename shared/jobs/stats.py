@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from shared.contracts.enums import ErrorClass, JobState, Stage, SweepState, Verdict
+from shared.contracts.run import IDENTITY_VERSIONS, Stack
 from shared.db.models import Job, QueueSeen, Result, Sweep, SweepEntry, Worker
 from shared.results.cells import version_key
 
@@ -109,45 +110,51 @@ def last_result_at(session: Session) -> dt.datetime | None:
     return session.scalar(sa.select(Result.created_at).order_by(Result.id.desc()).limit(1))
 
 
-# The labels of a throughput cell: what stays fixed while its compiler moves from version to version.
+# The labels of a throughput cell: what stays fixed while its software stack moves from version to version.
 CELL_LABELS = ("model_id", "task", "backend", "compiler", "cores")
 
 
 class VersionSpeed(NamedTuple):
-    compiler_version: str
-    tokens_per_s: float  # the mean over the cell's PASS rows of that version
+    stack: Stack  # the whole stack the cell's rows ran on: two TorchNeuron releases on one neuronx-cc are two
+    tokens_per_s: float  # the mean over the cell's PASS rows on that stack
     results: int
 
 
 class CellSpeed(NamedTuple):
     labels: tuple[str, ...]  # CELL_LABELS' values
     newest: VersionSpeed
-    previous: VersionSpeed | None  # the compiler version before the newest, when the cell ran under one
+    previous: VersionSpeed | None  # the stack before the newest, when the cell ran on one
+
+
+def _stack_order(stack: Stack) -> tuple[tuple[tuple[int, int | str], ...], ...]:
+    """Stacks by their versions' numbers, the compiler's first, then torch, TorchNeuron, the runtime, the library."""
+    return tuple(version_key(getattr(stack, name)) for name in IDENTITY_VERSIONS)
 
 
 def cell_speeds(session: Session) -> list[CellSpeed]:
-    """Each throughput cell's mean decode rate at its newest compiler version and at the one before — the newest
-    and the one before *among the versions with a PASS rate of the cell*: a version whose runs of it all failed
-    (or were not run) is skipped — versions ordered by their numbers, ``version_key``, as /changes orders them (an
-    rc after its release: ``2.28.0rc1`` follows ``2.28.0``). One grouped pass over the PASS rows with a decode rate
-    (a scan of the results with a decode rate: at most one per PASS with its performance tier), the rest in Python
-    over one row per cell and version."""
+    """Each throughput cell's mean decode rate on its newest software stack and on the one before — the newest and
+    the one before *among the stacks with a PASS rate of the cell*: a stack whose runs of it all failed (or were not
+    run) is skipped — stacks ordered by their versions' numbers (``version_key``, the compiler's first, as /changes
+    orders them: an rc after its release, ``2.28.0rc1`` after ``2.28.0``). Rows of two stacks are never averaged
+    together, so a TorchNeuron or transformers release under one neuronx-cc is a version of the cell too. One grouped
+    pass over the PASS rows with a decode rate (at most one per PASS with its performance tier), the rest in Python
+    over one row per cell and stack."""
+    stack_columns = [getattr(Job, name) for name in IDENTITY_VERSIONS]
+    cell_columns = (Job.model_id, Job.task, Job.backend, Job.compiler_name, Result.cores)
     rows = session.execute(
-        sa.select(
-            Job.model_id, Job.task, Job.backend, Job.compiler_name, Result.cores, Result.compiler_version,
-            sa.func.avg(Result.decode_tokens_per_s), sa.func.count(),
-        )
+        sa.select(*cell_columns, *stack_columns, sa.func.avg(Result.decode_tokens_per_s), sa.func.count())
         .join(Job, Job.id == Result.job_id)
         .where(Result.decode_tokens_per_s.is_not(None), Result.verdict == Verdict.PASS)
-        .group_by(Job.model_id, Job.task, Job.backend, Job.compiler_name, Result.cores, Result.compiler_version)
-    ).tuples()  # fmt: skip
+        .group_by(*cell_columns, *stack_columns)
+    ).tuples()
     versions: dict[tuple[str, ...], list[VersionSpeed]] = defaultdict(list)
-    for model_id, task, backend, compiler, cores, version, mean, n in rows:
+    for model_id, task, backend, compiler, cores, *stack, mean, n in rows:
         cell: tuple[str, ...] = (model_id, task, backend, compiler, str(cores))
-        versions[cell].append(VersionSpeed(version or "", float(mean), int(n)))
+        ran_on = Stack(**{name: version or "" for name, version in zip(IDENTITY_VERSIONS, stack, strict=True)})
+        versions[cell].append(VersionSpeed(ran_on, float(mean), int(n)))
     out = []
     for cell, speeds in sorted(versions.items()):
-        speeds.sort(key=lambda speed: version_key(speed.compiler_version))
+        speeds.sort(key=lambda speed: _stack_order(speed.stack))
         out.append(CellSpeed(cell, speeds[-1], speeds[-2] if len(speeds) > 1 else None))
     return out
 
