@@ -36,11 +36,11 @@ RUN pip install --no-deps -e .
 
 # Everything the services write lives under these mount points (named volumes in docker-compose.yml).
 # The user `app`, by number (as the runtime resolves it without the image's /etc/passwd).
-# The runners' users (shared/isolation.py): a worker running as root runs transformers' code as the first, a
-# repo's own code as the second; neither can read the services' environments or the database file.
+# The runners' user (shared/isolation.py): a worker running as root runs transformers' code as it, and a repo's own
+# code as a uid of its job's own (SUPPORTMATRIX_SANDBOX_UIDS, no account's: none is made here); neither can read the
+# services' environments or the database file.
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin app \
  && useradd --system --uid 10002 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin supportmatrix-runner \
- && useradd --system --uid 10003 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin supportmatrix-sandbox \
  && mkdir -p /data /export /cache /hf \
  && chown app:app /data /export /cache /hf
 ENV SUPPORTMATRIX_DATA_DIR=/data \

@@ -23,12 +23,11 @@ fi
 if ! command -v kubectl >/dev/null && [ ! -x .venv/bin/kubectl ]; then
     .venv/bin/python deploy/kubernetes/install_kubectl.py .venv/bin
 fi
-# The users runners run as when the worker is root (shared/isolation.py): transformers' code, and a repo's own.
+# The user transformers' code runs as when the worker is root (shared/isolation.py); a repo's own code runs as a
+# uid of its job's own, which no account holds (SUPPORTMATRIX_SANDBOX_UIDS).
 if [ "$(id -u)" = 0 ]; then
-    for user in supportmatrix-runner supportmatrix-sandbox; do
-        id -u "$user" >/dev/null 2>&1 || useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin "$user"
-    done
-    # They must reach the interpreter and the checkout: a venv made from a Python under /root (pyenv's) needs the
+    id -u supportmatrix-runner >/dev/null 2>&1 || useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin supportmatrix-runner
+    # Runners must reach the interpreter and the checkout: a venv made from a Python under /root (pyenv's) needs the
     # directories above it searchable by others (o+x: entered by a known path, not listed).
     for dir in "$(readlink -f .venv/bin/python)" "$PWD"; do
         while dir="$(dirname "$dir")" && [ "$dir" != / ]; do

@@ -9,18 +9,18 @@ created by ``scripts/setup.sh`` and the images:
 - ``SUPPORTMATRIX_RUNNER_USER`` (``supportmatrix-runner``) runs transformers' code. It owns the shared compile
   cache, its home (``<data dir>/home/<user>``), its Hub cache (``$HF_HOME/<user>`` where HF_HOME is set, else its
   home's) and the artifacts of its job.
-- ``SUPPORTMATRIX_SANDBOX_USER`` (``supportmatrix-sandbox``) runs a repo's own code. It owns nothing shared: its
+- a repo's own code runs as a uid of its job's own (``Isolation.sandbox_for``: from ``SUPPORTMATRIX_SANDBOX_UIDS``,
+  with no account, its gid the same number), so no two jobs' repo code share a user. It owns nothing shared: its
   run's compile cache, Hub cache and home are directories of its job's artifacts (``Sandbox``), never pulled
-  into, never pushed from, read by no run of the runner user (another sandboxed job's run, the same user, could),
-  and removed when the job's row is written.
+  into, never pushed from, read by no other user's run (the runner user's, another sandboxed job's: the job's
+  directory is 0700 while its repo code runs), and removed when the job's row is written.
 
 Neither can read another user's ``/proc/<pid>/environ`` (the worker's, the API's, the zygote's), the
 database file (0600, the worker's), or the secrets file the worker hands a forked runner (read while the
 child is still root, before it takes its user). Each stage's runner has a work directory (``WorkDir``: its TMPDIR
-and TorchNeuron's debug directory), 0700 and its user's: private to its *user*, not to its run. The runner user's
-runs cannot read a sandbox run's, nor the sandbox user's runs the runner user's, nor any other user either; but
-two runs of the same user (two sandboxed jobs on two core groups of a host) share a uid and can read each other's
-work directory and sandbox, as they can signal each other's processes.
+and TorchNeuron's debug directory), 0700 and its user's: the runner user's runs cannot read a sandboxed job's, nor
+a sandboxed job's runs the runner user's or another sandboxed job's (another uid), nor any other user either.
+Runs of the runner user (transformers' code, which we trust) share its uid.
 
 A run of a repo's own code never holds the Hub token *when runners are isolated* (a root worker, runner users
 on): the worker downloads a gated repo's files for it, into a directory of its own that no runner user can reach
@@ -68,19 +68,25 @@ class IsolationUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class Isolation:
     runner: RunAs  # transformers' code
-    sandbox: RunAs  # a repo's own code
+    sandbox_uids: range  # a repo's own code: one uid of these per job
 
-    def user_for(self, runs_repo_code: bool) -> RunAs:
-        return self.sandbox if runs_repo_code else self.runner
+    def sandbox_for(self, job_id: int) -> RunAs:
+        """The user a job's repo code runs as: a uid of the range by the job's id, with no account (its gid the same
+        number). Two jobs share one only when their ids are the range's length apart, never two jobs at once."""
+        uid = self.sandbox_uids[job_id % len(self.sandbox_uids)]
+        return RunAs(name=f"sandbox-{uid}", uid=uid, gid=uid)
+
+    def user_for(self, runs_repo_code: bool, job_id: int) -> RunAs:
+        return self.sandbox_for(job_id) if runs_repo_code else self.runner
 
 
 def isolation(settings: Settings) -> Isolation | None:
     """The runners' users; None when runners run as the worker: it is not root (it cannot switch users), or
-    SUPPORTMATRIX_RUNNER_USER is empty. Raises IsolationUnavailable when a named user does not exist."""
+    SUPPORTMATRIX_RUNNER_USER is empty. Raises IsolationUnavailable when the runner user does not exist."""
     if os.geteuid() != 0 or not settings.runner_user:
         return None
     try:
-        return Isolation(RunAs.named(settings.runner_user), RunAs.named(settings.sandbox_user))
+        return Isolation(RunAs.named(settings.runner_user), settings.sandbox_uid_range)
     except KeyError as exc:
         raise IsolationUnavailable(
             f"the runner user {exc} does not exist: create the runner users with scripts/setup.sh (as root), or "
@@ -103,6 +109,16 @@ def give(path: Path, user: RunAs) -> None:
                     os.chown(name, user.uid, user.gid, dir_fd=fd, follow_symlinks=False)
 
 
+def make_private(directory: Path) -> None:
+    """``directory`` 0700, through its own descriptor: a link planted in its place (by a process of the user it
+    belongs to) is refused (OSError), never followed."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+
+
 def _owned_by(entry: os.stat_result, user: RunAs) -> bool:
     return (entry.st_uid, entry.st_gid) == (user.uid, user.gid)
 
@@ -122,11 +138,17 @@ def prepare(settings: Settings) -> str:
         shared.append(settings.runner_hub_home)
     for path in shared:
         give(path.resolve(), users.runner)  # the operator's paths: a link placed there (a bigger disk) is meant
+    held = sorted(entry.pw_name for entry in pwd.getpwall() if entry.pw_uid in users.sandbox_uids)
+    if held:
+        raise IsolationUnavailable(
+            f"SUPPORTMATRIX_SANDBOX_UIDS={settings.sandbox_uids} holds the uids of accounts {held}: a repo's code run "
+            "as one would be that account; choose a range no account holds"
+        )
     artifacts = settings.data_dir / "artifacts"
     artifacts.mkdir(parents=True, exist_ok=True)
-    for user in (users.runner, users.sandbox):
+    for user in (users.runner, users.sandbox_for(0)):
         _check_reaches(user, artifacts)
-    return f"runners run as {users.runner.name}, a repo's own code as {users.sandbox.name}"
+    return f"runners run as {users.runner.name}, a repo's own code as a uid of its job's own ({settings.sandbox_uids})"
 
 
 # Exits 3 when the directory cannot be entered: the interpreter started and imported the project.
@@ -183,10 +205,14 @@ class Sandbox:
             path.mkdir(parents=True, exist_ok=True)
         if user is not None:
             give(self.root, user)
+            make_private(self.root)  # its job's repo code's alone
 
-    def environment(self) -> dict[str, str]:
-        """What the run's runner is given instead of the shared directories; no compile-cache remote."""
+    def environment(self, user: RunAs | None) -> dict[str, str]:
+        """What the run's runner is given instead of the shared directories; no compile-cache remote. Its uid has
+        no account, so its name is in USER and LOGNAME, where getpass and the tools that name a user look first."""
+        named = {"USER": user.name, "LOGNAME": user.name} if user is not None else {}
         return {
+            **named,
             "SUPPORTMATRIX_CACHE_DIR": str(self.cache),
             "SUPPORTMATRIX_COMPILE_CACHE_REMOTE": "",
             "SUPPORTMATRIX_COMPILE_CACHE_PUSH": "false",

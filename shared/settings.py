@@ -238,12 +238,20 @@ class WorkerSettings(ServiceSettings):
     # The host launcher keeps a zygote (shared/zygote_client.py): runners fork from a process that has imported torch
     # and transformers once, instead of importing them afresh, twice per stage, while the job's cores wait.
     zygote: Operational[bool] = True
-    # The users runners run as when the worker is root (shared/isolation.py): transformers' code, and a repo's own
-    # (trust_remote_code). Empty runner_user: runners run as the worker, with its access.
+    # Who runners run as when the worker is root (shared/isolation.py): transformers' code as runner_user (empty:
+    # runners run as the worker, with its access), and a repo's own (trust_remote_code) as a uid of its job's own, the
+    # first of sandbox_uids plus the job's id modulo the range's length (its gid the same number): no two jobs of a
+    # host share one, so none reads another's files or signals its processes. Numbers no account holds (a worker
+    # refuses to start otherwise), below 65536 so that a user-namespaced container maps them.
     runner_user: Operational[str] = "supportmatrix-runner"
-    sandbox_user: Operational[str] = "supportmatrix-sandbox"
+    sandbox_uids: Operational[str] = Field("60100-60899", pattern=r"^\d+-\d+$")
     # A job's artifacts are removed when its row is written, but kept this long after a FAIL, for inspection.
     artifact_retention_s: Operational[float] = Field(7 * 24 * 3600.0, ge=0)
+
+    @property
+    def sandbox_uid_range(self) -> range:
+        first, last = (int(bound) for bound in self.sandbox_uids.split("-"))
+        return range(first, last + 1)
 
     @property
     def isolates_runners(self) -> bool:

@@ -34,12 +34,13 @@ from sqlalchemy.orm import Session
 
 from services.worker.supervise import Prefetched, keeps_work_directory, prefetch, supervise
 from shared.contracts.enums import FINISHED_STATES, ErrorClass, JobState, Stage, Verdict
+from shared.contracts.handoffs import Artifacts
 from shared.contracts.report import RunReport
 from shared.contracts.run import RunRequest, RuntimeInfo
 from shared.db.engine import make_engine
 from shared.db.migrate import upgrade
 from shared.db.models import Job, Result, Worker
-from shared.isolation import RunAs, Sandbox, WorkDir, give
+from shared.isolation import Isolation, RunAs, Sandbox, WorkDir, give
 from shared.jobs.broker import make_celery
 from shared.jobs.dispatch import commit_and_enqueue
 from shared.jobs.outcomes import job_report
@@ -52,7 +53,14 @@ from tests.conftest import HUB_TOKEN, RUN_DIR
 from tests.test_faults import LOGS, Proc, stop_all, worker_argv
 
 ORG = "iso"
-RUNNER, SANDBOX = "supportmatrix-runner", "supportmatrix-sandbox"
+RUNNER = "supportmatrix-runner"
+
+
+def sandbox_of(job_id: int) -> RunAs:
+    """The user job ``job_id``'s repo code runs as, under the default SUPPORTMATRIX_SANDBOX_UIDS."""
+    return Isolation(RunAs.named(RUNNER), Settings().sandbox_uid_range).sandbox_for(job_id)
+
+
 MARKER = "supportmatrix-poisoned-cache-entry-ran"
 ZYGOTE_AS_THE_LAUNCHER_STARTS_IT = """\
 import os, sys
@@ -239,7 +247,6 @@ def isolated(hub: Any, tiny_models: Path) -> Iterator[Isolated]:
     env = {
         **os.environ,
         "SUPPORTMATRIX_RUNNER_USER": RUNNER,
-        "SUPPORTMATRIX_SANDBOX_USER": SANDBOX,
         "SUPPORTMATRIX_DATA_DIR": str(data),
         "SUPPORTMATRIX_DATABASE_URL": url,
         "SUPPORTMATRIX_REDIS_URL": redis.url(),
@@ -276,9 +283,12 @@ def isolated(hub: Any, tiny_models: Path) -> Iterator[Isolated]:
 
 
 def test_repo_code_runs_as_the_sandbox_user_reaches_no_secret_and_poisons_no_later_run(isolated: Isolated) -> None:
-    sandbox_uid = pwd.getpwnam(SANDBOX).pw_uid
     trusted = isolated.run(f"{ORG}/tiny-llama")
     spied = isolated.run(f"{ORG}/tiny-spy")
+    sandbox = sandbox_of(spied.id)  # a uid of its job's own, no account's
+    sandbox_uid = sandbox.uid
+    with pytest.raises(KeyError):
+        pwd.getpwuid(sandbox_uid)
     for job in (trusted, spied):  # one row each; the repo's probing did not keep its row from being written
         [row] = isolated.rows(job.id)
         assert job.state == JobState.done and row.verdict == "PASS", (job.error_class, job.error_message)
@@ -289,8 +299,9 @@ def test_repo_code_runs_as_the_sandbox_user_reaches_no_secret_and_poisons_no_lat
     # The repo's code never forks from the zygote: its private directories are not those the zygote imported
     # torch and huggingface_hub with (both read them at import), so it starts as a fresh interpreter.
     assert f"job {spied.id}, accelerator stage" in acc
-    assert "the zygote refused: environment differs from the zygote's in HF_HOME, HOME, SUPPORTMATRIX_CACHE_DIR" in acc
-    assert f"as {SANDBOX})" in acc and f"a fresh interpreter, as {SANDBOX})" in verdict
+    differs = "HF_HOME, HOME, LOGNAME, SUPPORTMATRIX_CACHE_DIR"  # its sandbox's directories, its uid's name
+    assert f"the zygote refused: environment differs from the zygote's in {differs}" in acc
+    assert f"as {sandbox.name})" in acc and f"a fresh interpreter, as {sandbox.name})" in verdict
 
     probes = isolated.probes_of(spied)
     assert len(probes) >= 2, "the accelerator run and the CPU reference each import the repo's code"
@@ -360,7 +371,7 @@ def test_a_gated_repo_with_its_own_code_is_downloaded_by_the_worker_and_its_code
     assert f"job {job.id}: the worker downloads gated {ORG}/tiny-gated-spy for its code's sandbox" in acc
     probes = isolated.probes_of(job)
     assert len(probes) >= 2, "the accelerator run and the CPU reference each import the repo's code"
-    sandbox_uid = pwd.getpwnam(SANDBOX).pw_uid
+    sandbox_uid = sandbox_of(job.id).uid
     token = HUB_TOKEN.encode()
     for probe in probes:
         assert probe["uid"] == sandbox_uid and "HF_TOKEN" not in probe["environment"]
@@ -393,12 +404,12 @@ print(json.dumps(found))
 """
 
 
-def as_user(name: str, script: str, *args: str, env: dict[str, str] | None = None) -> Any:
-    """``script`` run by ``python -c`` as the user ``name``: its JSON answer."""
+def as_user(who: str | RunAs, script: str, *args: str, env: dict[str, str] | None = None) -> Any:
+    """``script`` run by ``python -c`` as the user ``who`` (an account's name, or a sandbox uid): its JSON answer."""
     import subprocess
 
-    user = pwd.getpwnam(name)
-    done = subprocess.run([sys.executable, "-c", script, *args], user=user.pw_uid, group=user.pw_gid, extra_groups=[],
+    user = RunAs.named(who) if isinstance(who, str) else who
+    done = subprocess.run([sys.executable, "-c", script, *args], user=user.uid, group=user.gid, extra_groups=[],
                           env=env, capture_output=True, text=True, check=True, cwd="/", timeout=60)  # fmt: skip
     return json.loads(done.stdout)
 
@@ -414,48 +425,56 @@ def lease_held() -> bool:
     return True
 
 
-def test_two_runs_get_work_directories_of_their_own_user_that_no_other_user_can_read() -> None:
-    """Two real runs, supervised as the worker supervises a stage — a runner of the runner user and one of the
-    sandbox user, each a judge stage with nothing to judge, so each ends ERROR and keeps its work directory (as an
-    ERROR's and a FAIL's are kept) — got different directories, 0700, each its run's user's. Each user writes
-    TorchNeuron's directory in its own; neither can list the other's, nor can a third user either, though all reach
-    the job directories above them. What it does not guarantee: another run of the *same* user lists it (the
-    boundary is the user's, not the run's: two sandboxed jobs share the sandbox uid)."""
+def test_each_job_s_runs_get_directories_no_other_job_s_user_can_read() -> None:
+    """Three real runs, supervised as the worker supervises a stage, their users and directories given by the
+    worker's own ``stage_user``: a trusted job's (the runner user) and two sandboxed jobs' (each its job's own uid, no
+    account's), each a judge stage with nothing to judge, so each ends ERROR and keeps its work directory (as an
+    ERROR's and a FAIL's are kept). Each got a work directory of its own, 0700, its run's user's, in a job directory
+    that is 0700 and that user's too. Each user writes TorchNeuron's directory in its own; none of them can list
+    another's job directory, work directory or TorchNeuron's — the two sandboxed jobs included — nor can a third
+    user."""
+    from services.worker.tasks import stage_user
+
     base = RUN_DIR / "workdirs" / uuid.uuid4().hex[:8]
     artifacts = base / "artifacts"
     artifacts.mkdir(parents=True)
     for directory in (base, artifacts):
         directory.chmod(0o755)
-    settings = Settings(data_dir=base, zygote=False)
-    works: dict[str, WorkDir] = {}
-    for job_id, user in enumerate((RUNNER, SANDBOX), start=1):
-        job_dir = artifacts / f"job-{job_id}"
-        job_dir.mkdir()
-        give(job_dir, RunAs.named(user))  # as the worker's stage_user gives a job's artifacts to its stage's user
-        request = RunRequest(model_id="iso/nothing-to-judge", stage=Stage.judge, artifacts=job_dir,
-                             report=job_dir / "judge-report.json")  # fmt: skip
-        job = stage_job("iso/nothing-to-judge", job_id)
-        report = supervise(request, job, settings, lease_held, None, None, RunAs.named(user))
+    settings = Settings(data_dir=base, zygote=False, runner_user=RUNNER)  # the suite's own workers isolate nothing
+    users: dict[int, RunAs] = {}
+    works: dict[int, WorkDir] = {}
+    for job_id, repo_code in {1: False, 2: True, 3: True}.items():
+        job = stage_job("iso/nothing-to-judge", job_id, trust_remote_code=repo_code)
+        job_dir = Artifacts(artifacts / f"job-{job_id}")
+        job_dir.root.mkdir()
+        user, private = stage_user(job, job_dir, settings, runs_repo_code=repo_code)
+        assert user is not None
+        request = RunRequest(model_id="iso/nothing-to-judge", stage=Stage.judge, artifacts=job_dir.root,
+                             report=job_dir.root / "judge-report.json")  # fmt: skip
+        report = supervise(request, job, settings, lease_held, None, None, user, private)
         assert report is not None and report.verdict == "ERROR", report
-        works[user] = WorkDir.of_stage(job_dir, Stage.judge.value)
-    assert works[RUNNER].path != works[SANDBOX].path
-    for user, work in works.items():
-        held = work.path.lstat()
-        assert stat.S_ISDIR(held.st_mode) and (held.st_uid, held.st_mode & 0o777) == (pwd.getpwnam(user).pw_uid, 0o700)
+        users[job_id], works[job_id] = user, WorkDir.of_stage(job_dir.root, Stage.judge.value)
+    assert users[1] == RunAs.named(RUNNER) and users[2] == sandbox_of(2) and users[3] == sandbox_of(3)
+    assert len({user.uid for user in users.values()}) == 3
+    for job_id, work in works.items():
+        for directory in (work.path, work.path.parent):
+            held = directory.lstat()
+            assert stat.S_ISDIR(held.st_mode) and (held.st_uid, held.st_mode & 0o777) == (users[job_id].uid, 0o700)
     write = (
         "import os, pathlib; d = pathlib.Path(os.environ['TORCH_NEURONX_DEBUG_DIR']); d.mkdir(); "
         "(d / 'graph.hlo').write_text('g'); print(1)"
     )
-    for user, work in works.items():
-        assert as_user(user, write, env={"PATH": os.environ["PATH"], **work.environment()}) == 1
-    for user, other in ((RUNNER, SANDBOX), (SANDBOX, RUNNER), ("nobody", RUNNER), ("nobody", SANDBOX)):
-        theirs = works[other]
-        found = as_user(user, WORK_PROBE, str(theirs.path), str(theirs.neuron_debug), str(theirs.path.parent))
-        assert found[str(theirs.path)] == found[str(theirs.neuron_debug)] == "PermissionError", (user, other)
-        assert "work-judge" in found[str(theirs.path.parent)]  # the job's directory: reachable, the work dir is not
-    # the boundary is the user's: another run of the sandbox user (another sandboxed job) reads this one's
-    sandboxed = works[SANDBOX]
-    assert as_user(SANDBOX, WORK_PROBE, str(sandboxed.neuron_debug)) == {str(sandboxed.neuron_debug): ["graph.hlo"]}
+    for job_id, work in works.items():
+        assert as_user(users[job_id], write, env={"PATH": os.environ["PATH"], **work.environment()}) == 1
+        assert as_user(users[job_id], WORK_PROBE, str(work.neuron_debug)) == {str(work.neuron_debug): ["graph.hlo"]}
+    readers = {**users, 0: RunAs.named("nobody")}
+    for reader_id, reader in readers.items():
+        for job_id, theirs in works.items():
+            if job_id == reader_id:
+                continue
+            paths = [str(theirs.path.parent), str(theirs.path), str(theirs.neuron_debug)]
+            found = as_user(reader, WORK_PROBE, *paths)
+            assert set(found.values()) == {"PermissionError"}, (reader.name, job_id, found)
     shutil.rmtree(base)
 
 
@@ -476,7 +495,7 @@ def test_a_link_or_file_planted_at_a_work_directory_is_removed_never_followed(tm
     """A process of the job's user can plant a link (or a file) where the next stage's work directory goes, before
     the worker (root) makes it: the link is removed, its target keeps its files, owner and mode, and the work
     directory is a fresh, real directory, 0700, the run's user's."""
-    sandbox = RunAs.named(SANDBOX)
+    sandbox = sandbox_of(1)
     victim = tmp_path / "victim"
     victim.mkdir(mode=0o755)
     (victim / "kept").write_text("root's")
@@ -530,15 +549,15 @@ print(json.dumps(sorted(str(p.relative_to(job)) for p in job.rglob("*"))))
 def test_the_workers_download_writes_nothing_through_links_a_sandbox_process_planted(
     hub: Any, tiny_models: Path
 ) -> None:
-    """Another job's repo code runs as the same sandbox user and can write this job's directory and its sandbox Hub
-    cache (the worker gave them to that user): it plants links there, to a directory only root may write, before
-    the worker (root, holding the token) downloads a gated repo with code. The download goes into a staging
+    """The job's own repo code (its accelerator stage's, before the verdict stage downloads again) runs as the job's
+    sandbox uid and can write the job's directory and its sandbox Hub cache (the worker gave them to that uid): it
+    plants links there, to a directory only root may write, before the worker (root, holding the token) downloads a
+    gated repo with code. The download goes into a staging
     directory no sandbox process can list, is handed over (owned by the sandbox user, no link followed) only when
     it has ended, and replaces the planted links: nothing is written through them. A failed download (a commit
     that does not exist) writes nothing through them either, and its report holds no token."""
     from huggingface_hub import HfApi
 
-    sandbox_user = RunAs.named(SANDBOX)
     hub.add(f"{ORG}/planted-gated", tiny_models / "tiny-custom", gated="manual")
     sha = HfApi(token=HUB_TOKEN).model_info(f"{ORG}/planted-gated").sha
     base = RUN_DIR / "planted" / uuid.uuid4().hex[:8]  # the runner users pass through RUN_DIR
@@ -550,11 +569,11 @@ def test_the_workers_download_writes_nothing_through_links_a_sandbox_process_pla
     settings = Settings(data_dir=data, zygote=False)
     outcomes = {}
     for job_id, revision in ((1, sha), (2, "f" * 40)):
-        job_dir = artifacts / f"job-{job_id}"
+        job_dir, sandbox_user = artifacts / f"job-{job_id}", sandbox_of(job_id)
         job_dir.mkdir()
         Sandbox.of_job(job_dir).create(sandbox_user)  # as the worker's stage_user makes it, then gives it
         give(job_dir, sandbox_user)
-        planted = as_user(SANDBOX, PLANT_LINKS, str(job_dir), str(victim))
+        planted = as_user(sandbox_user, PLANT_LINKS, str(job_dir), str(victim))
         assert {"sandbox/hf-home/hub", "download.log", "download-report.json"} <= set(planted)
         request = RunRequest(model_id=f"{ORG}/planted-gated", revision=revision, trust_remote_code=True,
                              stage=Stage.accelerator, artifacts=job_dir,
@@ -570,20 +589,20 @@ def test_the_workers_download_writes_nothing_through_links_a_sandbox_process_pla
     hub_home = Sandbox.of_job(artifacts / "job-1").hub_home
     assert not hub_home.is_symlink() and not (hub_home / "hub").is_symlink()
     for entry in (hub_home, *hub_home.rglob("*")):
-        assert entry.lstat().st_uid == sandbox_user.uid, entry  # handed over: the sandbox user's
+        assert entry.lstat().st_uid == sandbox_of(1).uid, entry  # handed over: the job's sandbox uid
     [snapshot] = (hub_home / "hub" / f"models--{ORG}--planted-gated" / "snapshots").iterdir()
     assert snapshot.name == sha and {"config.json", "model.safetensors", "modeling_custom.py"} <= {
         p.name for p in snapshot.iterdir()
     }
     log = artifacts / "job-1" / "download.log"
-    assert not log.is_symlink() and log.is_file() and log.lstat().st_uid == sandbox_user.uid
+    assert not log.is_symlink() and log.is_file() and log.lstat().st_uid == sandbox_of(1).uid
     failure = outcomes[2]
     assert isinstance(failure, RunReport) and failure.failure.error_class == "not_found", failure
     assert HUB_TOKEN not in failure.model_dump_json()
     assert list((artifacts / ".downloads").iterdir()) == []  # each staging went with its download
     held = (artifacts / ".downloads").lstat()
     assert (held.st_uid, held.st_mode & 0o777) == (0, 0o700)
-    assert as_user(SANDBOX, WORK_PROBE, str(artifacts / ".downloads")) == {
+    assert as_user(sandbox_of(1), WORK_PROBE, str(artifacts / ".downloads")) == {
         str(artifacts / ".downloads"): "PermissionError"
     }
 
@@ -592,7 +611,7 @@ def test_giving_a_tree_to_a_runner_user_follows_no_link_in_it(tmp_path: Path) ->
     """``give`` (the worker, root, handing a job's directory to its stage's user) changes the owner of every entry
     of the tree, links themselves included, and of nothing a link points to: a link planted in the tree, or given
     as the tree itself, leaves its root-owned target as it was."""
-    sandbox = RunAs.named(SANDBOX)
+    sandbox = sandbox_of(1)
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "secret").write_text("root's")

@@ -181,7 +181,7 @@ def test_a_gated_repo_with_code_is_skipped_where_runners_are_not_isolated(tmp_pa
                          artifacts=job_dir, report=job_dir / "accelerator-report.json")  # fmt: skip
     job = stage_job("auth/gated-custom", 3, gated=True, trust_remote_code=True)
     settings = Settings(data_dir=tmp_path)
-    private = Sandbox.of_job(job_dir).environment()
+    private = Sandbox.of_job(job_dir).environment(None)
     report = supervise(request, job, settings, lease_held, None, {"HF_TOKEN": HUB_TOKEN}, None, private)
     assert report is not None and (report.verdict, report.failure.error_class) == ("SKIPPED", "remote_code")
     assert "needs runners under users of their own" in (report.failure.error_message or "")

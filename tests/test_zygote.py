@@ -228,7 +228,7 @@ def test_a_requester_of_another_user_gets_children_of_its_own_user_whatever_it_a
     user (the worker) names, or none; for any other requester (a runner asking for its ranks), that requester's
     own — a runner that asks for root, or for another runner's user, does not get it."""
     root = RunAs(name="root", uid=0, gid=0)
-    sandbox = RunAs(name="supportmatrix-sandbox", uid=995, gid=993)
+    sandbox = RunAs(name="sandbox-60101", uid=60101, gid=60101)
     asking = {"module": "services.runner.child", "args": [], "env": {}, "log": "/dev/null", "group": "new"}
     worker = Peer(os.getpid(), os.getuid(), os.getgid())
     assert child_user(ForkRequest(**asking, run_as=sandbox), worker) == sandbox

@@ -32,7 +32,7 @@ from shared.contracts.run import RunRequest
 from shared.db.engine import DB_ERRORS, new_session, session_scope
 from shared.db.models import Job, Sweep, utcnow
 from shared.hub.client import HubUnavailable
-from shared.isolation import RunAs, Sandbox, give, isolation
+from shared.isolation import RunAs, Sandbox, give, isolation, make_private
 from shared.jobs.broker import (
     EXPORT_WINDOW_S,
     PendingExports,
@@ -176,18 +176,22 @@ def accelerator_secrets(job: Job, settings: Settings, hub_read_token: str | None
     return secrets
 
 
-def stage_user(artifacts: Artifacts, settings: Settings, runs_repo_code: bool) -> tuple[RunAs | None, dict[str, str]]:
+def stage_user(
+    job: Job, artifacts: Artifacts, settings: Settings, runs_repo_code: bool
+) -> tuple[RunAs | None, dict[str, str]]:
     """Who runs a stage, and what it is given instead of the shared directories. A stage that runs the repo's own
-    code (both stages of a trust_remote_code job; never the judge) runs as the sandbox user, with a compile cache,
-    Hub cache and home of its job's own (shared.isolation.Sandbox); the job's artifacts are given to the user."""
+    code (both stages of a trust_remote_code job; never the judge) runs as the job's own sandbox uid, with a compile
+    cache, Hub cache and home of its job's own (shared.isolation.Sandbox). The job's artifacts are given to the stage's
+    user, 0700: no other job's runs reach them."""
     users = isolation(settings)
-    user = users.user_for(runs_repo_code) if users else None
+    user = users.user_for(runs_repo_code, job.id) if users else None
     sandbox = Sandbox(artifacts.root / "sandbox")
     if runs_repo_code:
         sandbox.create(user)
     if user is not None:
         give(artifacts.root, user)
-    return user, sandbox.environment() if runs_repo_code else {}
+        make_private(artifacts.root)  # the stage's user's alone: no other job's runs list it
+    return user, sandbox.environment(user) if runs_repo_code else {}
 
 
 def _stage_request(job: Job, stage: Stage, artifacts: Artifacts, core_range: str | None = None) -> RunRequest:
@@ -220,7 +224,7 @@ def run_job(self: Any, job_id: int) -> str:
                              settings)  # fmt: skip
     request = _stage_request(job, Stage.accelerator, artifacts, core_range=str(group))
     secrets = accelerator_secrets(job, settings, hub_token())
-    user, private = stage_user(artifacts, settings, runs_repo_code=job.trust_remote_code)
+    user, private = stage_user(job, artifacts, settings, runs_repo_code=job.trust_remote_code)
     keep_lease = _lease_keeper(job_id, owner, settings)
     report = supervise(request, job, settings, keep_lease, group, secrets, user, private)
     if report is None:
@@ -253,7 +257,7 @@ def judge_job(self: Any, job_id: int) -> str:
     artifacts.verdict.unlink(missing_ok=True)  # a lost attempt's output is not this attempt's
     _hand_over_stored_reference(artifacts, settings)
     keep_lease = _lease_keeper(job_id, owner, settings)
-    user, private = stage_user(artifacts, settings, runs_repo_code=job.trust_remote_code)
+    user, private = stage_user(job, artifacts, settings, runs_repo_code=job.trust_remote_code)
     report = supervise(
         _stage_request(job, Stage.verdict, artifacts), job, settings, keep_lease, None, None, user, private
     )
@@ -266,7 +270,7 @@ def judge_job(self: Any, job_id: int) -> str:
         # The judge's token goes to this process alone: it loads no tested checkpoint.
         secrets = {"SUPPORTMATRIX_JUDGE_TOKEN": settings.judge_token} if settings.judge_token else None
         request = _stage_request(job, Stage.judge, artifacts)
-        user, _ = stage_user(artifacts, settings, runs_repo_code=False)  # the judge's model is no repo's code
+        user, _ = stage_user(job, artifacts, settings, runs_repo_code=False)  # the judge's model is no repo's code
         report = supervise(request, job, settings, keep_lease, None, secrets, user)
     if report is None:
         shutil.rmtree(artifacts.root, ignore_errors=True)
