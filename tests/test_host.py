@@ -23,6 +23,11 @@ from tests.conftest import wait_for_job
 from tests.test_pipeline import FINISHED, accelerator_owner, submit
 
 
+def registered_names() -> set[str]:
+    with new_session() as session:
+        return set(session.scalars(sa.select(Worker.name).where(Worker.name.startswith("cores-"))))
+
+
 def registered(prefix: str = "cores-") -> set[str]:
     with new_session() as session:
         names = session.scalars(sa.select(Worker.cores).where(Worker.name.startswith(prefix))).all()
@@ -90,19 +95,32 @@ def test_the_host_replans_when_a_two_core_job_arrives_and_after_it_is_done(
 def test_the_launcher_process_forks_its_workers_and_stops_them(api: Any, tmp_path: Path) -> None:
     """`python -m services.worker.host` forks its workers from itself (it has imported what they import): they
     register, run a job to its end — its runner and child forked from the zygote, the child pinned to the
-    job's core as a fresh one would be — and leave with the launcher."""
-    log = tmp_path / "host.log"
+    job's core as a fresh one would be — and leave with the launcher. A second launcher on the same machine under
+    another host name (another compiler version, as a user testing two on one machine starts them) registers workers
+    of its own beside the first's, each named after its host: neither takes the other's registration."""
+    log, other_log = tmp_path / "host.log", tmp_path / "other-host.log"
+
+    def start(log: Path, **env: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "services.worker.host", "--cores", "1", "--poll", "0.2"],
+            cwd=Path(__file__).resolve().parent.parent, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+        )  # fmt: skip
+
     # eager: a compiler version of its own, so that the session's 1-core worker (aot_eager) takes none of its jobs
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "services.worker.host", "--cores", "1", "--poll", "0.2"],
-        cwd=Path(__file__).resolve().parent.parent, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-        env={**os.environ, "SUPPORTMATRIX_CPU_COMPILE_BACKEND": "eager"},
-    )  # fmt: skip
+    launcher = start(log, SUPPORTMATRIX_CPU_COMPILE_BACKEND="eager")
+    other = start(other_log, SUPPORTMATRIX_CPU_COMPILE_BACKEND="aot_eager_decomp_partition",
+                  SUPPORTMATRIX_HOST_NAME="other-host")  # fmt: skip
+    host = get_settings().host_name
     try:
         deadline = time.monotonic() + 120
-        while registered() != {"0"} or "zygote: ready" not in log.read_text():
-            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        while registered_names() != {f"cores-0@{host}", "cores-0@other-host"} or "zygote: ready" not in log.read_text():
+            assert launcher.poll() is None and other.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, (registered_names(), log.read_text()[-3000:])
             time.sleep(0.3)
+        other.terminate()
+        other.wait(120)
+        assert registered_names() == {f"cores-0@{host}"}  # the other host's left; this one's stays
         [job] = submit(api, "host/tiny-llama", cores=1, compilers=["eager-2.13.0+cpu"])
         done = wait_for_job(api, job["id"], FINISHED)
         assert done["state"] == "done" and accelerator_owner(done["id"]).startswith("cores-0@")
@@ -110,8 +128,9 @@ def test_the_launcher_process_forks_its_workers_and_stops_them(api: Any, tmp_pat
         [row] = [r for r in rows if r["job_id"] == job["id"]]
         assert row["visible_cores"] == format_cpus(cpu_set(CoreGroup(0, 1)))
     finally:
-        launcher.terminate()
-        launcher.wait(120)
+        for process in (launcher, other):
+            process.terminate()
+            process.wait(120)
     text = log.read_text()
     assert re.search(rf"zygote: fork \d+: services\.runner\.child \S+/job-{job['id']}/accelerator\.spec\.json", text)
     [started] = re.findall(r"start: worker on cores 0 \(pid (\d+), forked\)", text)

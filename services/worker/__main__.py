@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             "--pool",
             "prefork",
             "--hostname",
-            f"{name}@%h",
+            f"{name}@{settings.host_name}",  # the host it serves, not the machine: two launchers of one machine
             "--without-gossip",
             "--without-mingle",
             "--loglevel",
