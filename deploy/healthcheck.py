@@ -1,7 +1,8 @@
 """The containers' healthchecks: `python deploy/healthcheck.py host|control|beat`; exit 0 when healthy.
 
-- host: this machine's workers answer a Celery ping — at least one core-group worker (``cores-…``) and every
-  verdict-stage worker the launcher keeps (``verdict-…``, SUPPORTMATRIX_VERDICT_WORKERS of them);
+- host: this host's workers (``<name>@HOST_NAME``) answer a Celery ping — at least one core-group worker
+  (``cores-…``) and every verdict-stage worker the launcher keeps (``verdict-…``, SUPPORTMATRIX_VERDICT_WORKERS of
+  them);
 - control: the control worker of this machine (``control@<hostname>``) answers a ping;
 - beat: some beat holds the scheduler lock in Redis, i.e. the reconciler and the sweeps are being sent.
 
@@ -26,7 +27,7 @@ def answering(timeout: float = PING_TIMEOUT_S) -> set[str]:
 def host_problem() -> str | None:
     from shared.settings import get_settings
 
-    here = socket.gethostname()
+    here = get_settings().host_name
     mine = {name.partition("@")[0] for name in answering() if name.endswith(f"@{here}")}
     cores = sorted(n for n in mine if n.startswith("cores-"))
     verdict = sorted(n for n in mine if n.startswith("verdict-"))
