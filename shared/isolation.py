@@ -228,7 +228,7 @@ class WorkDir:
     (``TORCH_NEURONX_DEBUG_DIR``: the FX graphs, StableHLO and NEFFs of what it compiles). TorchNeuron's default,
     ``/tmp/neuron_backend``, is one directory for every user of the host: the first run to create it owns it, and
     any later run of any user reads the graphs left there. This one is 0700 and its run's user's: private to that
-    user (the runner user, or the sandbox user) against every other user, not against another run of the same
+    user (the runner user, or the job's sandbox uid) against every other user, not against another run of the same
     user. The worker keeps it with a FAIL's (or an ERROR's) artifacts, else removes it when the stage ends."""
 
     path: Path

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, Protocol
 
+from shared.contracts.handoffs import read_regular
+
 PR_SET_PDEATHSIG = 1
 OUTPUT_TAIL_CHARS = 3000
 
@@ -83,8 +85,12 @@ def run_as_child(main: Callable[[], object]) -> NoReturn:
 
 
 def output_tail(log: Path) -> str:
-    """The end of a child's captured output, for an error message about it."""
-    return log.read_text(errors="replace")[-OUTPUT_TAIL_CHARS:]
+    """The end of a child's captured output, for an error message about it (the row's, which anyone reads): never
+    through a link planted at the log's name (``read_regular``)."""
+    try:
+        return read_regular(log).decode(errors="replace")[-OUTPUT_TAIL_CHARS:]
+    except OSError as exc:
+        return f"(its log {log} could not be read: {exc.strerror or exc})"
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.contracts.enums import BackendName, Fault, JudgeKind, Task
@@ -240,13 +240,25 @@ class WorkerSettings(ServiceSettings):
     zygote: Operational[bool] = True
     # Who runners run as when the worker is root (shared/isolation.py): transformers' code as runner_user (empty:
     # runners run as the worker, with its access), and a repo's own (trust_remote_code) as a uid of its job's own, the
-    # first of sandbox_uids plus the job's id modulo the range's length (its gid the same number): no two jobs of a
-    # host share one, so none reads another's files or signals its processes. Numbers no account holds (a worker
-    # refuses to start otherwise), below 65536 so that a user-namespaced container maps them.
+    # first of sandbox_uids plus the job's id modulo the range's length (its gid the same number): two jobs share one
+    # only when their ids are the range's length apart, so none reads another's files or signals its processes.
+    # Numbers no account holds (a worker refuses to start otherwise), from 1000 (never root's or a system account's)
+    # and below 65536 so that a user-namespaced container maps them.
     runner_user: Operational[str] = "supportmatrix-runner"
     sandbox_uids: Operational[str] = Field("60100-60899", pattern=r"^\d+-\d+$")
     # A job's artifacts are removed when its row is written, but kept this long after a FAIL, for inspection.
     artifact_retention_s: Operational[float] = Field(7 * 24 * 3600.0, ge=0)
+
+    @field_validator("sandbox_uids")
+    @classmethod
+    def _a_range_of_unprivileged_uids(cls, value: str) -> str:
+        first, last = (int(bound) for bound in value.split("-"))
+        if not 1000 <= first <= last < 65536:
+            raise ValueError(
+                f"{value!r} is not FIRST-LAST with 1000 <= FIRST <= LAST < 65536: a repo's code must never run as "
+                "root or a system account, and a user-namespaced container maps only uids below 65536"
+            )
+        return value
 
     @property
     def sandbox_uid_range(self) -> range:

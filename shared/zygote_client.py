@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from shared.contracts.handoffs import create_anew
 from shared.isolation import RunAs
 from shared.processes import ChildProcess, die_with_parent
 
@@ -228,9 +229,8 @@ def start_python(
         secrets = {name: value for name, value in env.items() if name in SECRET_NAMES}
         secrets_file = log.with_name(f"{log.name}.secrets") if secrets else None
         if secrets_file is not None:
-            secrets_file.unlink(missing_ok=True)
-            with os.fdopen(os.open(secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
-                json.dump(secrets, out)
+            with create_anew(secrets_file, 0o600) as out:
+                out.write(json.dumps(secrets).encode())
         public = {name: value for name, value in env.items() if name not in SECRET_NAMES}
         request = ForkRequest(
             module=module, args=args, env=public | {"SUPPORTMATRIX_RUNNER_ZYGOTE": zygote}, log=log,
@@ -246,7 +246,9 @@ def start_python(
     else:
         why = None
     user: dict[str, Any] = {"user": run_as.uid, "group": run_as.gid, "extra_groups": []} if run_as is not None else {}
-    with log.open("wb") as out:
+    # Opened here, by the caller (root, when the child takes another user): the log's name is in a directory of the
+    # child's user, who may have planted a link there: it is made anew, through none (``create_anew``).
+    with create_anew(log) as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
             env=env,

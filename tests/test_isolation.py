@@ -7,7 +7,9 @@ compile cache pushed to a remote. The repo's code runs in each process that impo
 CPU reference) and records what it tried: every other user's ``/proc/<pid>/environ`` (the workers', this
 process's, which holds the suite's API), signals to them, the database file, a service's secrets file, and
 writes into the shared compile cache, the runners' Hub cache and the data dir. It also plants a poisoned
-entry in its own compile cache; the next run neither loads nor pushes it.
+entry in its own compile cache, which the next run neither loads nor pushes, and a link at the name of its job's
+next log, to a file only root writes, which the worker replaces instead of writing through; its CPU reference is
+not stored for other runs to reuse.
 """
 
 from __future__ import annotations
@@ -32,14 +34,14 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from services.worker.supervise import Prefetched, keeps_work_directory, prefetch, supervise
+from services.worker.supervise import Prefetched, crashed, keeps_work_directory, prefetch, read_report, supervise
 from shared.contracts.enums import FINISHED_STATES, ErrorClass, JobState, Stage, Verdict
-from shared.contracts.handoffs import Artifacts
+from shared.contracts.handoffs import Artifacts, read_regular, write_atomically
 from shared.contracts.report import RunReport
 from shared.contracts.run import RunRequest, RuntimeInfo
 from shared.db.engine import make_engine
 from shared.db.migrate import upgrade
-from shared.db.models import Job, Result, Worker
+from shared.db.models import Job, ReferenceRun, Result, Worker
 from shared.isolation import Isolation, RunAs, Sandbox, WorkDir, give
 from shared.jobs.broker import make_celery
 from shared.jobs.dispatch import commit_and_enqueue
@@ -145,6 +147,11 @@ def _supportmatrix_probe():
         copy.parent.mkdir(parents=True, exist_ok=True)
         copy.write_bytes(data)
         found["copied"][str(path.relative_to(job_dir))] = "copied"
+    # Links at names the worker (root) opens next, to a file only root may write: the verdict stage's log, which
+    # the worker makes when it starts that stage's fresh interpreter.
+    for name, target in _TARGETS["plant"].items():
+        if not _os.path.lexists(job_dir / name):
+            _os.symlink(target, job_dir / name)
     try:
         found["staging"] = sorted(_os.listdir(job_dir.parent / ".downloads"))
     except OSError as exc:
@@ -224,7 +231,11 @@ def isolated(hub: Any, tiny_models: Path) -> Iterator[Isolated]:
     service_token = root / "hf-home" / "token"  # the service's own Hub login, 0600 as `hf auth login` leaves it
     service_token.write_text(HUB_TOKEN)
     service_token.chmod(0o600)
+    canary = root / "root-only.txt"  # what a link the repo's code plants points at
+    canary.write_text("root's own")
+    canary.chmod(0o600)
     targets = {
+        "plant": {"verdict-runner.log": str(canary)},
         "read": [str(data / "supportmatrix.db"), str(data / "service.env"), str(service_token)],
         "write": [str(data / "cache" / "inductor" / "poison.py"), str(root / "hf-home" / "poison.py"),
                   str(data / "poison.py"), str(data / "artifacts" / "poison.py")],
@@ -305,6 +316,12 @@ def test_repo_code_runs_as_the_sandbox_user_reaches_no_secret_and_poisons_no_lat
 
     probes = isolated.probes_of(spied)
     assert len(probes) >= 2, "the accelerator run and the CPU reference each import the repo's code"
+    # The link it planted at the verdict stage's log was replaced, not written through; and the reference its run
+    # computed (its files, key included, written by its code) was not stored for any later run to reuse.
+    assert (isolated.root / "root-only.txt").read_text() == "root's own"
+    with Session(isolated.engine) as session:
+        stored = set(session.scalars(sa.select(ReferenceRun.model_id)))
+    assert stored == {f"{ORG}/tiny-llama"}, stored
     artifacts = isolated.data / "artifacts" / f"job-{spied.id}"
     sandbox = artifacts / "sandbox"
     # each stage worked in a directory of its own, 0700, the sandbox user's: TorchNeuron's is there, and TMPDIR
@@ -514,6 +531,42 @@ def test_a_link_or_file_planted_at_a_work_directory_is_removed_never_followed(tm
     victim_held = victim.stat()
     assert (victim_held.st_uid, victim_held.st_mode & 0o777) == (0, 0o755)
     assert [p.name for p in victim.iterdir()] == ["kept"] and (victim / "kept").read_text() == "root's"
+
+
+def test_the_workers_reads_and_writes_in_a_job_directory_follow_no_link_planted_there(tmp_path: Path) -> None:
+    """What the worker (root) opens in a job's directory — a stage's report and log, a phase, the verdict stage's
+    output, the stored reference it hands over — a process of the job's user can have replaced with a link to a
+    file only root reads (or a hard link to it, or a FIFO that would block the worker): none is followed. A read
+    refuses it (a report or a phase reads as none; a log's tail names the refusal, never the secret), and a write
+    replaces the link, leaving its target as it was."""
+    secret = tmp_path / "root-only"
+    secret.write_text('{"phase": "supportmatrix-root-secret", "since": 1.0}')  # a phase's shape, were it read
+    secret.chmod(0o600)
+    job_dir = tmp_path / "job-1"
+    job_dir.mkdir()
+    artifacts = Artifacts(job_dir)
+    (job_dir / "accelerator-report.json").symlink_to(secret)
+    (job_dir / "accelerator-runner.log").symlink_to(secret)
+    os.link(secret, job_dir / "verdict-runner.log")
+    os.mkfifo(job_dir / "verdict-report.json")
+    (job_dir / "rank0.phase").symlink_to(secret)
+    for name in ("accelerator-report.json", "verdict-report.json"):
+        assert read_report(job_dir / name) is None
+    assert artifacts.latest_phase() is None
+    for name in ("accelerator-runner.log", "verdict-runner.log"):
+        tail = crashed("runner", 1, job_dir / name)
+        assert "supportmatrix-root-secret" not in tail and "could not be read" in tail, tail
+    with pytest.raises(OSError):
+        read_regular(job_dir / "verdict-runner.log")  # a hard link: two names
+
+    # the stored reference and its prefill logits, handed over by the worker: links at their names and at their
+    # temporary files' names are replaced, their target untouched
+    for path in (artifacts.stored_reference, artifacts.reference_prefill):
+        path.symlink_to(secret)
+        path.with_name(f".{path.name}.{os.getpid()}.tmp").symlink_to(secret)
+        write_atomically(path, b"handed over")
+        assert not path.is_symlink() and read_regular(path) == b"handed over"
+    assert "supportmatrix-root-secret" in secret.read_text() and secret.stat().st_nlink == 2
 
 
 def test_a_work_directory_that_cannot_be_made_is_the_stages_error_internal(

@@ -326,7 +326,7 @@ Labels = tuple[tuple[str, str], ...]
 
 def ratio_labels(model: str, cores: int, version: str, previous: str, neuronx: tuple[str, str] = ("", "")) -> Labels:
     """The sorted labels of a neuron text-generation cell's ``supportmatrix_decode_speed_ratio`` series: its newest
-    and previous compiler versions, and TorchNeuron's on each (``neuronx``)."""
+    and previous stacks — the compiler's versions, and TorchNeuron's on each (``neuronx``)."""
     labels = {"model_id": model, "task": "text-generation", "backend": "neuron", "compiler": "neuronx-cc",
               "cores": str(cores), "compiler_version": version, "previous_compiler_version": previous}  # fmt: skip
     labels |= {"stack": stack_label(version, neuronx[0]), "previous_stack": stack_label(previous, neuronx[1])}

@@ -8,6 +8,8 @@ import ast
 import inspect
 from pathlib import Path
 
+import pytest
+from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 import shared.settings
@@ -91,3 +93,15 @@ def test_the_runner_reads_only_its_own_settings() -> None:
         read |= {node.attr for node in ast.walk(method) if isinstance(node, ast.Attribute)}
     unread = sorted(set(RunnerSettings.model_fields) - read)
     assert unread == [], "the runner reads none of these: move them to the class of the process that does"
+
+
+def test_a_sandbox_uid_range_that_is_empty_or_reaches_root_or_past_65535_is_refused_with_its_reason() -> None:
+    """A reversed range would leave a job no uid (a division by zero when it runs); one from 0 would run a repo's code
+    as root; one past 65535 is not mapped in a user-namespaced container. Each is refused when the settings are read,
+    saying which bounds hold."""
+    for wrong in ("60899-60100", "0-10", "999-1000", "60100-65536"):
+        with pytest.raises(ValidationError, match="1000 <= FIRST <= LAST < 65536"):
+            Settings(sandbox_uids=wrong)
+    with pytest.raises(ValidationError, match="pattern"):
+        Settings(sandbox_uids="60100")
+    assert Settings(sandbox_uids="60100-60100").sandbox_uid_range == range(60100, 60101)

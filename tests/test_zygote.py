@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -89,6 +90,30 @@ def test_a_forked_runner_gets_its_group_cpus_log_and_exit_status(zygote: tuple[o
     outcome = ChildOutcome.model_validate_json(out.read_text())
     assert outcome.ok and outcome.data is not None and outcome.data["backend"] == "cpu"
     assert f"fork {proc.pid}: {CHILD}" in (tmp / "shared.log").read_text()
+
+
+def test_a_link_planted_at_a_runners_log_is_replaced_never_followed(zygote: tuple[object, str, Path]) -> None:
+    """The log's name is in the job's directory, its runner user's: a link planted there to a file only root writes
+    is replaced by a fresh log, by the root zygote asked by the worker and by the worker starting a fresh
+    interpreter; the link's target keeps what it held."""
+    _, address, tmp = zygote
+    victim = tmp / "root-only"
+    victim.write_text("root's")
+    victim.chmod(0o600)
+    env = child_environment(get_settings(), {})
+    fifo, out = waiting_child(tmp, "planted")
+    forked_log, fresh_log = tmp / "planted-forked.log", tmp / "planted-fresh.log"
+    for log in (forked_log, fresh_log):
+        log.symlink_to(victim)
+    forked, refused = start_python(CHILD, [str(fifo)], env, forked_log, own_group=True, zygote=address)
+    assert refused is None and isinstance(forked, ForkedProcess)
+    release(fifo, out)
+    fresh, _ = start_python("platform", [], env, fresh_log, own_group=True)
+    assert isinstance(fresh, subprocess.Popen) and fresh.wait(timeout=60) == 0 and forked.wait(timeout=120) == 0
+    for log in (forked_log, fresh_log):
+        assert not log.is_symlink() and stat.S_ISREG(log.lstat().st_mode)
+    assert "Linux" in fresh_log.read_text()  # the fresh interpreter's output went to its own log
+    assert victim.read_text() == "root's"
 
 
 def test_a_foreign_environment_or_module_is_refused_and_started_afresh(zygote: tuple[object, str, Path]) -> None:

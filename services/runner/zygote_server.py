@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from shared.contracts.handoffs import create_anew, read_regular
 from shared.isolation import RunAs
 from shared.processes import run_as_child
 from shared.zygote_client import MODULES, ForkReply, ForkRequest, environment_mismatch, socket_name
@@ -136,7 +137,7 @@ def become(request: ForkRequest, log_fd: int | None, user: RunAs | None, request
     os.close(log_fd)
     secrets = {}
     if request.secrets_file is not None:  # then: a child that fails below leaves no secret on disk
-        secrets = json.loads(request.secrets_file.read_text())
+        secrets = json.loads(read_regular(request.secrets_file))
         request.secrets_file.unlink()
     if user is not None and user.uid != os.getuid():  # then its user, before anything of the module runs
         take(user)
@@ -217,8 +218,10 @@ class Zygote:
             connection.sendall(ForkReply(refused=why).model_dump_json().encode() + b"\n")
             connection.close()
             return
-        # Opened here, so that the requester finds the log however early the child fails (another user's: by the child).
-        log_fd = os.open(request.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if own else None
+        # Opened here, so that the requester finds the log however early the child fails (another user's: by the child);
+        # made anew, through no link the child's user may have planted at its name (``create_anew``).
+        log_file = create_anew(request.log) if own else None
+        log_fd = log_file.fileno() if log_file is not None else None
         try:
             pid = os.fork()
             if pid == 0:  # the child keeps no socket of the zygote's: their ends close with the zygote
@@ -229,8 +232,8 @@ class Zygote:
                     child.connection.close()
                 run_as_child(lambda: become(request, log_fd, user, peer.pid))
         finally:
-            if log_fd is not None:
-                os.close(log_fd)
+            if log_file is not None:
+                log_file.close()
         # Also from this side (the classic race): the group and CPUs hold before the requester hears the pid.
         with contextlib.suppress(OSError):
             os.setpgid(pid, pid if request.group == "new" else request.group)

@@ -22,7 +22,7 @@ from celery.utils.log import get_task_logger
 from pydantic import ValidationError
 
 from shared.contracts.enums import ErrorClass, Stage, Verdict
-from shared.contracts.handoffs import Artifacts
+from shared.contracts.handoffs import Artifacts, read_regular
 from shared.contracts.report import RunReport
 from shared.contracts.run import RUNNER_MODULE, RunRequest
 from shared.cores import CoreGroup, cpu_set, pin_environment
@@ -196,9 +196,9 @@ def wait(proc: ChildProcess, deadline: float, keep_lease: Callable[[], bool], in
 
 
 def read_report(path: Path) -> RunReport | None:
-    """The report a child wrote; None when it wrote none that parses."""
+    """The report a child wrote; None when it wrote none that parses (or left a link at its name)."""
     try:
-        return RunReport.model_validate_json(path.read_text())
+        return RunReport.model_validate_json(read_regular(path))
     except (OSError, ValidationError):
         return None
 

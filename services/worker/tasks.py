@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import psutil
 from celery.utils.log import get_task_logger
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from services.worker import registry
@@ -26,7 +27,14 @@ from services.worker.celery_app import app
 from services.worker.collector import export_requested
 from services.worker.supervise import supervise
 from shared.contracts.enums import ErrorClass, Stage, SweepState, Verdict
-from shared.contracts.handoffs import AcceleratorOutput, Artifacts, VerdictOutput, write_model
+from shared.contracts.handoffs import (
+    AcceleratorOutput,
+    Artifacts,
+    VerdictOutput,
+    read_regular,
+    write_atomically,
+    write_model,
+)
 from shared.contracts.report import RunReport
 from shared.contracts.run import RunRequest
 from shared.db.engine import DB_ERRORS, new_session, session_scope
@@ -261,9 +269,11 @@ def judge_job(self: Any, job_id: int) -> str:
     report = supervise(
         _stage_request(job, Stage.verdict, artifacts), job, settings, keep_lease, None, None, user, private
     )
-    output = VerdictOutput.model_validate_json(artifacts.verdict.read_text()) if artifacts.verdict.exists() else None
-    if output is not None and output.new_reference is not None:
-        blob = artifacts.reference_prefill.read_bytes() if artifacts.reference_prefill.exists() else None
+    output = _verdict_output(artifacts)
+    # A reference is shared by every later run under its key: one computed by a repo's own code (which wrote the
+    # stage's files, the key included) could stand in for any model's, so only a run of transformers' code stores one.
+    if output is not None and output.new_reference is not None and not job.trust_remote_code:
+        blob = _read_if_there(artifacts.reference_prefill)
         reference = output.new_reference
         durably(settings, lambda s: references.store(s, reference, blob))
     if report is not None and output is not None and output.judge_needed and report.verdict != Verdict.ERROR:
@@ -278,15 +288,37 @@ def judge_job(self: Any, job_id: int) -> str:
     return _write_result(job_id, owner, report, artifacts, settings)
 
 
+def _read_if_there(path: Path) -> bytes | None:
+    """A file of the job's directory, read without following a link planted there (``read_regular``); None when
+    there is none, or none that is a regular file."""
+    try:
+        return read_regular(path)
+    except OSError:
+        return None
+
+
+def _verdict_output(artifacts: Artifacts) -> VerdictOutput | None:
+    """What the verdict stage left, None when it left nothing that parses (the stage's own report says why)."""
+    try:
+        return VerdictOutput.model_validate_json(_read_if_there(artifacts.verdict) or b"")
+    except ValidationError:
+        return None
+
+
 def _hand_over_stored_reference(artifacts: Artifacts, settings: Settings) -> None:
-    """Put the stored reference this run can reuse (if any) where the verdict stage looks for it."""
-    key = AcceleratorOutput.model_validate_json(artifacts.accelerator.read_text()).reference_key
+    """Put the stored reference this run can reuse (if any) where the verdict stage looks for it (written through no
+    link planted in the job's directory: ``write_atomically``)."""
+    data = _read_if_there(artifacts.accelerator)
+    try:
+        key = AcceleratorOutput.model_validate_json(data or b"").reference_key
+    except ValidationError:
+        return  # none to look up: the verdict stage, reading the same file, says what is wrong with it
     stored = durably(settings, lambda s: references.load(s, key))
     if stored is not None:
         reference, blob = stored
         write_model(artifacts.stored_reference, reference)
         if blob is not None:
-            artifacts.reference_prefill.write_bytes(blob)
+            write_atomically(artifacts.reference_prefill, blob)
 
 
 def _write_result(job_id: int, owner: str, report: RunReport, artifacts: Artifacts, settings: Settings) -> str:

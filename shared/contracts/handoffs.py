@@ -3,14 +3,21 @@
 The accelerator stage leaves an ``AcceleratorOutput`` (and the prefill logits and per-step scores as .npy
 files), the verdict stage a ``VerdictOutput``; the worker puts a ``StoredReference`` there before the verdict
 stage and stores the new one it finds there after.
+
+A job's directory is its stage user's (a runner user, or a repo's own code's sandbox uid), and the worker, root,
+reads and writes in it: a process of that user may have planted a symbolic link (or a hard link) to a file only
+root reaches at any name there. So every file the worker opens there goes through ``read_regular`` and
+``write_atomically``, which never follow one.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel, Field
 
@@ -124,7 +131,7 @@ class Phase(BaseModel):
     @classmethod
     def read(cls, path: Path) -> Phase | None:
         try:
-            return cls.model_validate_json(path.read_text())
+            return cls.model_validate_json(read_regular(path))
         except (OSError, ValueError):
             return None
 
@@ -152,6 +159,34 @@ class Artifacts:
 
 def write_model(path: Path, model: BaseModel) -> None:
     """Write atomically: a reader never sees half a file."""
+    write_atomically(path, model.model_dump_json().encode())
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """``data`` at ``path``, replaced whole (a reader never sees half a file), through a temporary file created
+    anew (O_EXCL: a link planted at its name is removed first, one planted meanwhile fails the write, OSError) and
+    renamed over ``path`` (which replaces a link there, never following it)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # writers of the same file never share a name
-    tmp.write_text(model.model_dump_json())
+    with create_anew(tmp) as file:
+        file.write(data)
     tmp.replace(path)
+
+
+def create_anew(path: Path, mode: int = 0o644) -> BinaryIO:
+    """A new, empty file at ``path``, open for writing: whatever was at the name (a link planted there included) is
+    removed first, never followed, and the file is created exclusively (O_EXCL: one planted meanwhile is not
+    followed either; OSError)."""
+    path.unlink(missing_ok=True)
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode), "wb")
+
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of the file at ``path``, which must be a regular file with one name: a symbolic link there is not
+    followed (O_NOFOLLOW), and a FIFO, a device or a hard link to another file (Linux refuses those to a user who
+    cannot write the file, unless fs.protected_hardlinks is off) is refused. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        held = os.fstat(fd)
+        if not stat.S_ISREG(held.st_mode) or held.st_nlink != 1:
+            raise OSError(errno.EPERM, "not a regular file of one name", str(path))
+        return file.read()
