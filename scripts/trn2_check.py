@@ -41,6 +41,8 @@ from shared.contracts.run import CORE_SIZES, RuntimeInfo  # noqa: E402
 from shared.cores import CoreGroup, pin_environment  # noqa: E402
 from shared.installed import NEURON_RUNTIME_PACKAGE, debian_package_version, installed_version  # noqa: E402
 from shared.jobs.queues import compiler_queues_like, job_queue  # noqa: E402
+from shared.jobs.runtimes import refuse_other_fleet  # noqa: E402
+from shared.settings import get_settings  # noqa: E402
 
 DESCRIBE_TIMEOUT_S = 600.0  # the worker's own limit on the same question (services/worker/__main__.py)
 
@@ -122,6 +124,7 @@ def queues(runtime: RuntimeInfo) -> str:
         size = CORE_SIZES[0]
         counted = compiler_queues_like(runtime.backend, stack.compiler_version, size)
         lines.append(f"KEDA (trn2-autoscaled): waiting-c{size} must count queue LIKE '{counted}' (each size alike)")
+    lines.append(f"fleet (the ConfigMap declares it so): SUPPORTMATRIX_FLEET_RUNTIME={runtime.model_dump_json()}")
     return "\n".join(lines)
 
 
@@ -257,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {version or 'not found'}")
     runtime = served(args.backend)
     print(queues(runtime) if isinstance(runtime, RuntimeInfo) else f"stack: not found ({runtime})")
+    # the fleet declared where this check runs (the ConfigMap's SUPPORTMATRIX_FLEET_RUNTIME, when set): a launcher
+    # of this host would not start on another
+    unlike = refuse_other_fleet(get_settings(), runtime) if isinstance(runtime, RuntimeInfo) else None
+    if unlike is not None:
+        print(f"FLEET NOT THIS HOST'S: {unlike}")
     print()
     runs = run_all(args.backend, args.models, args.parallel, args.timeout_s)
     print(table(runs))
@@ -276,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         for run in failed:
             if run.report.failure.error_message:
                 print(f"- {run.check.what}: {run.report.failure.error_message.strip().splitlines()[-1][:300]}")
-    return 1 if failed or not isinstance(runtime, RuntimeInfo) else 0
+    if unlike is not None:
+        print("\nthe declared fleet (SUPPORTMATRIX_FLEET_RUNTIME) is not this host's stack: see FLEET above")
+    return 1 if failed or not isinstance(runtime, RuntimeInfo) or unlike is not None else 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import NoReturn, Protocol
 from shared.contracts.handoffs import read_regular
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NO_NEW_PRIVS = 38
 OUTPUT_TAIL_CHARS = 3000
 
 
@@ -42,6 +43,15 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:
         os._exit(1)
+
+
+def no_new_privileges() -> None:
+    """Run in a runner before its module: nothing it or its children execute gains a privilege — no setuid or setgid
+    binary, no file capability (prctl PR_SET_NO_NEW_PRIVS: inherited by every child, never undone). A root
+    process may still take a user of its own (setuid is not an exec). Raises OSError."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
 
 
 class ChildProcess(Protocol):

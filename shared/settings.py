@@ -21,6 +21,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.contracts.enums import BackendName, Fault, JudgeKind, Task
+from shared.contracts.run import RuntimeInfo
 
 
 class SettingRole(StrEnum):
@@ -174,6 +175,12 @@ class ServiceSettings(RunnerSettings):
 
     # Compiler version a job gets when no live worker says what it serves (e.g. "inductor-2.13.0+cpu").
     default_compiler: Keyed[str | None] = None
+    # The runtime the fleet serves — RuntimeInfo's JSON, as `python -m services.worker --describe` prints it on the
+    # fleet's image — declared once for the API, beat and the launchers (the ConfigMap): the API plans a job for it
+    # whoever is up (an autoscaled fleet at zero starts on the jobs planned for it), beside any other stack a live
+    # worker serves, and a host launcher serving another refuses to start. None: the live workers' stacks, else those
+    # last seen live, else this host's own (shared.jobs.runtimes.served_runtimes).
+    fleet_runtime: Keyed[RuntimeInfo | None] = None
     remote_code_orgs: Operational[list[str]] = Field([], description="orgs whose trust_remote_code models are tested")
 
     # Every Hub metadata call gives up after hub_timeout_s; model_info answers are kept hub_info_cache_s per

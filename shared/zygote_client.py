@@ -35,7 +35,7 @@ from pydantic import BaseModel
 
 from shared.contracts.handoffs import create_anew
 from shared.isolation import RunAs
-from shared.processes import ChildProcess, die_with_parent
+from shared.processes import ChildProcess, die_with_parent, no_new_privileges
 
 # Variables a forked child may have that its zygote has not: read by our code or by libraries when used, not
 # when imported (huggingface_hub reads HF_TOKEN per call; tempfile's TMPDIR is reset in the child). The
@@ -263,8 +263,9 @@ def start_python(
 
 
 def _prepare_child(cpus: set[int] | None) -> Callable[[], None]:
-    def prepare() -> None:  # in the child, before exec: the runner and all it starts inherit both
+    def prepare() -> None:  # in the child, before exec: the runner and all it starts inherit all three
         die_with_parent()
+        no_new_privileges()  # a repo's code, or anything it runs, gains no privilege through an exec
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
 

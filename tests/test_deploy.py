@@ -24,6 +24,8 @@ import httpx
 import pytest
 import yaml
 
+from shared.contracts.run import RuntimeInfo
+from shared.settings import Settings
 from testing.compose import NativeStack, load, read_env_file, referenced_variables
 from tests.conftest import PG_BASE, REDIS_BASE, ROOT, RUN_DIR, pg_url
 from tests.test_metrics import assert_every_expression_returns_data, running_prometheus
@@ -338,6 +340,10 @@ def test_the_trn2_check_passes_on_the_tiny_checkpoints_with_the_cpu_backend(
     assert "torch: 2.13.0" in done.stdout
     # the stack it serves, as a worker describes it at start, and the job queues of that stack
     assert "stack: compiler aot_eager-2.13.0+cpu" in done.stdout and ".aot_eager-2.13.0+cpu.stack-" in done.stdout
+    # and the line that declares a fleet of this host's stack (docs/kubernetes.md#planning-with-no-worker-live)
+    [fleet] = [line for line in done.stdout.splitlines() if line.startswith("fleet (the ConfigMap declares it so): ")]
+    declared = Settings(fleet_runtime=RuntimeInfo.model_validate_json(fleet.split("SUPPORTMATRIX_FLEET_RUNTIME=")[1]))
+    assert declared.fleet_runtime is not None and declared.fleet_runtime.compiler_version == "aot_eager-2.13.0+cpu"
     rows = [line.split() for line in done.stdout.splitlines() if " PASS " in f" {line} "]
     assert [(row[-6], row[-5]) for row in rows] == [("1", "none"), ("2", "tp"), ("4", "ep"), ("1", "none"),
                                                     ("1", "none")], done.stdout  # fmt: skip

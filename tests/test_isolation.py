@@ -91,6 +91,7 @@ def _supportmatrix_probe():
     work = _os.stat(_os.path.dirname(_os.environ["TORCH_NEURONX_DEBUG_DIR"]))
     found["work"] = {{"uid": work.st_uid, "mode": work.st_mode & 0o777}}
     found["tempfile"] = _tempfile.gettempdir()
+    found["no_new_privs"] = _pathlib.Path("/proc/self/status").read_text().split("NoNewPrivs:")[1].split()[0]
     hub_home = _pathlib.Path(_os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
     home_login = _pathlib.Path("~/.cache/huggingface/token").expanduser()
     token_path = _pathlib.Path(_os.environ.get("HF_TOKEN_PATH", "/nonexistent"))
@@ -336,6 +337,7 @@ def test_repo_code_runs_as_the_sandbox_user_reaches_no_secret_and_poisons_no_lat
     services = isolated.worker_pids() | {os.getpid()}  # the workers, and this process (it holds the suite's API)
     for probe in probes:
         assert probe["uid"] == sandbox_uid
+        assert probe["no_new_privs"] == "1"  # no setuid binary or file capability gives it more than its uid
         secrets = {"SUPPORTMATRIX_DATABASE_URL", "SUPPORTMATRIX_REDIS_URL", "SUPPORTMATRIX_COMPILE_CACHE_TOKEN",
                    "HF_TOKEN", "SUPPORTMATRIX_PUBLISH_TOKEN", "SUPPORTMATRIX_JUDGE_TOKEN"}  # fmt: skip
         assert not secrets & set(probe["environment"])

@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 from shared.contracts.handoffs import create_anew, read_regular
 from shared.isolation import RunAs
-from shared.processes import run_as_child
+from shared.processes import no_new_privileges, run_as_child
 from shared.zygote_client import MODULES, ForkReply, ForkRequest, environment_mismatch, socket_name
 
 # What a runner and its children import, short of the modules they run as __main__ (runpy would warn that one
@@ -141,6 +141,7 @@ def become(request: ForkRequest, log_fd: int | None, user: RunAs | None, request
         request.secrets_file.unlink()
     if user is not None and user.uid != os.getuid():  # then its user, before anything of the module runs
         take(user)
+    no_new_privileges()  # as a fresh runner's start does (shared.zygote_client._prepare_child)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)

@@ -67,8 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--verdict", action="store_true", help="run verdict stages from this host's verdict queue")
     parser.add_argument("--loglevel", default="INFO")
+    parser.add_argument(
+        "--describe",
+        action="store_true",
+        help="print the runtime this machine serves, as SUPPORTMATRIX_FLEET_RUNTIME declares a fleet's, and exit",
+    )
     args = parser.parse_args(argv)
     settings = get_settings()
+    if args.describe:
+        print(describe_runtime(settings).model_dump_json())
+        return 0
     try:
         print(prepare(settings), flush=True)
     except IsolationUnavailable as exc:

@@ -38,7 +38,7 @@ from shared.db.models import Job, utcnow
 from shared.jobs.backlog import backlog_facts
 from shared.jobs.lease import LeaseOwner
 from shared.jobs.queues import verdict_queue
-from shared.jobs.runtimes import live_since
+from shared.jobs.runtimes import live_since, refuse_other_fleet
 from shared.processes import ChildProcess, die_with_parent, run_as_child
 from shared.settings import Settings, child_environment, get_settings
 from shared.zygote_client import ZYGOTE_ENVIRONMENT, zygote_address
@@ -355,7 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Described once per host and kept (services/worker/__main__.py): every worker started after reads it back
     # instead of importing torch in a runner child, so a worker is ready in about a second.
-    log(f"serving {describe_runtime(settings).compiler_version}")
+    served = describe_runtime(settings)
+    if (refused := refuse_other_fleet(settings, served)) is not None:
+        log(f"not started: {refused}")
+        return 2
+    log(f"serving {served.compiler_version}")
     prepare_to_fork_workers()
     launcher = HostLauncher(settings, args.cores, fork_workers=True)
     stop = threading.Event()

@@ -70,10 +70,16 @@ def live_runtimes(session: Session, settings: Settings) -> tuple[RuntimeInfo, ..
 
 
 def served_runtimes(session: Session, settings: Settings) -> list[RuntimeInfo]:
-    """The live workers' runtimes (``live_runtimes``); when none is live, those served last
-    (``last_served_runtimes``), else the configured default (``default_runtime``: NoRuntime when it cannot be
-    known here)."""
+    """The configured fleet's runtime (``Settings.fleet_runtime``) and any other the live workers serve, whoever is
+    up; with none configured, the live workers' runtimes (``live_runtimes``), when none is live those served last
+    (``last_served_runtimes``), else this host's default (``default_runtime``: NoRuntime when it cannot be known
+    here)."""
     live = live_runtimes(session, settings)
+    if settings.fleet_runtime is not None:
+        served: dict[Stack, RuntimeInfo] = {}
+        for runtime in (*live, settings.fleet_runtime):
+            served.setdefault(runtime.stack(), runtime)  # a live worker's own description of its stack first
+        return list(served.values())
     if live:
         return list(live)
     last = last_served_runtimes(session, settings)
@@ -110,9 +116,27 @@ def last_served_runtimes(session: Session, settings: Settings) -> list[RuntimeIn
 
 # What an operator does when no stack can be planned (docs/kubernetes.md#planning-with-no-worker-live).
 NO_STACK_KNOWN = (
-    "start one worker of the fleet's image once, so that its queues are seen with the stack it serves, "
-    "then submit again"
+    "declare the fleet's runtime in SUPPORTMATRIX_FLEET_RUNTIME (what `python -m services.worker --describe` prints "
+    "on the fleet's image), or start one worker of the fleet's image once, so that its queues are seen with the stack "
+    "it serves, then submit again"
 )
+
+
+def refuse_other_fleet(settings: Settings, served: RuntimeInfo) -> str | None:
+    """Why a host launcher serving ``served`` must not start, or None: the fleet is declared
+    (``Settings.fleet_runtime``) as another runtime, whose jobs the API plans and this host's workers would never
+    take (a job waits on its stack's queue: ERROR(no_worker) after SUPPORTMATRIX_NO_WORKER_AFTER_S)."""
+    fleet = settings.fleet_runtime
+    if fleet is None or (fleet.backend, fleet.compiler_name, fleet.stack()) == (
+        served.backend, served.compiler_name, served.stack()
+    ):  # fmt: skip
+        return None
+    return (
+        f"this host serves {served.stack().label()} ({served.backend}), but the fleet is declared as "
+        f"{fleet.stack().label()} ({fleet.backend}; SUPPORTMATRIX_FLEET_RUNTIME), the stack the API plans jobs for: "
+        "run the fleet's image here, or declare this host's runtime, as `python -m services.worker --describe` "
+        f"prints it: {served.model_dump_json()}"
+    )
 
 
 def default_runtime(settings: Settings) -> RuntimeInfo:
