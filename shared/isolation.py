@@ -201,8 +201,21 @@ class Sandbox:
         return self.root / "home"
 
     def create(self, user: RunAs | None) -> None:
-        for path in (self.cache, self.hub_home, self.home):
-            path.mkdir(parents=True, exist_ok=True)
+        """The sandbox and its directories, made where missing, in its job's directory — the job's sandbox uid's
+        since its first stage, so a link or file planted at any of their names is removed, never followed: each is
+        made and opened relative to its parent's descriptor (O_NOFOLLOW). Raises OSError."""
+        directory = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        job_fd = os.open(self.root.parent, directory)  # the job's directory: in the worker's own artifacts directory
+        try:
+            root_fd = _directory_at(job_fd, self.root.name)
+            try:
+                for path in (self.cache, self.hub_home, self.home):
+                    os.close(_directory_at(root_fd, path.name))
+            finally:
+                os.close(root_fd)
+        finally:
+            os.close(job_fd)
         if user is not None:
             give(self.root, user)
             make_private(self.root)  # its job's repo code's alone
@@ -359,6 +372,21 @@ class DownloadStaging:
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _directory_at(dir_fd: int, name: str) -> int:
+    """The directory ``name`` in the one open at ``dir_fd``, made (0700) when missing; anything else there — a link, a
+    file — is removed first, never followed. Returns its descriptor (O_NOFOLLOW: one swapped in meanwhile fails)."""
+    try:
+        held = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        held = None
+    if held is not None and not stat.S_ISDIR(held.st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        held = None
+    if held is None:
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
 
 
 def _replace(source: Path, dir_fd: int, name: str) -> None:

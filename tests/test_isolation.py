@@ -35,6 +35,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from services.worker.supervise import Prefetched, crashed, keeps_work_directory, prefetch, read_report, supervise
+from services.worker.tasks import _verdict_output
 from shared.contracts.enums import FINISHED_STATES, ErrorClass, JobState, Stage, Verdict
 from shared.contracts.handoffs import Artifacts, read_regular, write_atomically
 from shared.contracts.report import RunReport
@@ -569,6 +570,29 @@ def test_the_workers_reads_and_writes_in_a_job_directory_follow_no_link_planted_
         write_atomically(path, b"handed over")
         assert not path.is_symlink() and read_regular(path) == b"handed over"
     assert "supportmatrix-root-secret" in secret.read_text() and secret.stat().st_nlink == 2
+
+    # the verdict stage's output: none is None; a link there, or what does not parse, is said, never read through
+    assert _verdict_output(artifacts) is None
+    artifacts.verdict.symlink_to(secret)
+    assert "could not be read" in str(_verdict_output(artifacts))
+    artifacts.verdict.unlink()
+    artifacts.verdict.write_text("{not json")
+    assert "could not be read" in str(_verdict_output(artifacts))
+
+    # the sandbox the worker makes for a repo's code between its stages: a link planted at its name, or at one of
+    # its directories' names, is removed; the directories are made there, none at the links' target
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    sandbox = Sandbox.of_job(job_dir)
+    sandbox.root.symlink_to(victim, target_is_directory=True)
+    sandbox.create(None)
+    sandbox.cache.rmdir()
+    sandbox.cache.symlink_to(victim, target_is_directory=True)
+    sandbox.create(sandbox_of(1))
+    for path in (sandbox.root, sandbox.cache, sandbox.hub_home, sandbox.home):
+        held = path.lstat()
+        assert stat.S_ISDIR(held.st_mode) and held.st_uid == sandbox_of(1).uid, path
+    assert list(victim.iterdir()) == []
 
 
 def test_a_work_directory_that_cannot_be_made_is_the_stages_error_internal(

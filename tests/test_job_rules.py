@@ -289,3 +289,25 @@ def test_a_job_planned_for_a_fleet_scaled_to_zero_waits_no_worker_after_s_from_i
         assert states() == {waiting.job.id: JobState.failed, judged.job.id: JobState.failed}
         ended = session.execute(sa.select(Result.job_id, Result.error_class)).tuples().all()
         assert sorted(ended) == sorted([(waiting.job.id, ErrorClass.no_worker), (judged.job.id, ErrorClass.no_worker)])
+
+
+def test_a_declared_fleet_is_planned_beside_the_live_stacks_once_and_a_live_description_of_it_first(
+    session: Session, settings: Settings
+) -> None:
+    """SUPPORTMATRIX_FLEET_RUNTIME: the declared stack is served with no worker of it live, after the live workers'
+    other stacks (a rollout's old image); a live worker of the declared stack is one runtime, its own description
+    kept (the compiler's build string it found), never two."""
+    old = live_worker("cores-a", "c-1")
+    session.add(old)
+    session.flush()
+    fleet = RuntimeInfo(
+        backend="cpu", compiler_name="c", compiler_version="c-2", library_version="5", torch_version="2"
+    )
+    declared = settings.model_copy(update={"fleet_runtime": fleet})
+    assert [r.compiler_version for r in served_runtimes(session, declared)] == ["c-1", "c-2"]
+    time.sleep(RUNTIMES_SNAPSHOT_S)  # the live runtimes read above are kept this long
+    session.add(live_worker("cores-b", "c-2"))
+    session.flush()
+    session.execute(sa.update(Worker).where(Worker.name == "cores-b").values(compiler_build="c-2+abc"))
+    served = served_runtimes(session, declared)
+    assert [(r.compiler_version, r.compiler_build) for r in served] == [("c-1", ""), ("c-2", "c-2+abc")]

@@ -162,8 +162,9 @@ def test_under_each_overlays_environment_a_job_with_no_worker_live_lands_on_the_
     (SUPPORTMATRIX_FLEET_RUNTIME, as `python -m services.worker --describe` prints it on the fleet's image), cpu-dev
     as shipped (its API and launchers are one image) — an API pod's environment, on the cpu image (no TorchNeuron
     here), with no worker live and none ever seen, plans a submitted job for the fleet's stack: on exactly the queue
-    the fleet's launchers consume, whose Redis list holds the job, and which the overlay's KEDA trigger of its size
-    counts (its query run on PostgreSQL) where the overlay scales on one."""
+    the fleet's launchers consume, whose Redis list holds the job (a trn2 fleet's: no worker here takes it), and
+    which the overlay's KEDA trigger of its size counts (its query run on PostgreSQL) where the overlay scales on
+    one."""
     [compiler] = re.findall(r"^neuronx-cc==(\S+)$", (ROOT / "constraints" / "neuron.txt").read_text(), re.M)
     declared = {}
     if overlay != "cpu-dev":
@@ -193,6 +194,8 @@ def test_under_each_overlays_environment_a_job_with_no_worker_live_lands_on_the_
             assert counted["waiting-c1"] == 1 and sum(counted[f"waiting-c{size}"] for size in CORE_SIZES) == 1
         else:
             assert not triggers
+        if overlay == "cpu-dev":
+            return  # its queue is the suite's own cpu workers' too: one of them may have taken the job already
         broker = redis.Redis.from_url(os.environ["SUPPORTMATRIX_REDIS_URL"])
         try:
             assert broker.llen(job.queue) == 1

@@ -82,9 +82,14 @@ def test_a_forked_runner_gets_its_group_cpus_log_and_exit_status(zygote: tuple[o
     proc, refused = start_python(CHILD, [str(fifo)], env, log, own_group=True, cpus={0}, zygote=address)
     assert refused is None and isinstance(proc, ForkedProcess)
     assert os.getpgid(proc.pid) == proc.pid  # leads its own process group: one kill takes it and its ranks
-    status = Path(f"/proc/{proc.pid}/status").read_text()
-    assert status.count("Cpus_allowed_list:\t0\n") == 1
-    assert "NoNewPrivs:\t1\n" in status  # nothing it executes gains a privilege (a setuid binary, a capability)
+    status = Path(f"/proc/{proc.pid}/status")
+    assert status.read_text().count("Cpus_allowed_list:\t0\n") == 1
+    # nothing it executes gains a privilege (a setuid binary, a capability): set by the child before its module, which
+    # then waits on its spec
+    deadline = time.monotonic() + 30
+    while "NoNewPrivs:\t1\n" not in status.read_text():
+        assert time.monotonic() < deadline, status.read_text()
+        time.sleep(0.05)
     assert int(Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1].split()[1]) == zygote_proc.pid  # type: ignore[attr-defined]
     assert proc.poll() is None
     release(fifo, out)

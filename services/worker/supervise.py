@@ -145,7 +145,9 @@ def _run_stage(
             zygote=zygote_address(settings.data_dir, settings.host_name) if settings.zygote else None,
             run_as=run_as,
         )
-    except OSError as exc:  # the host's fault (an interpreter its runner user may not run): the row says so
+    # the host's fault (an interpreter its runner user may not run; a child that failed before its exec, as Popen
+    # says it): the row says so
+    except (OSError, subprocess.SubprocessError) as exc:
         who = run_as.name if run_as else "the worker's user"
         return failed(ErrorClass.internal, f"the {request.stage.value} runner could not start as {who}: {exc}")
     how = "forked by the zygote" if not isinstance(proc, subprocess.Popen) else f"a fresh interpreter{refused or ''}"

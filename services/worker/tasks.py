@@ -263,13 +263,18 @@ def judge_job(self: Any, job_id: int) -> str:
         return _write_result(job_id, owner, job_report(job, Verdict.ERROR, ErrorClass.internal, unrunnable), artifacts,
                              settings)  # fmt: skip
     artifacts.verdict.unlink(missing_ok=True)  # a lost attempt's output is not this attempt's
-    _hand_over_stored_reference(artifacts, settings)
+    if not job.trust_remote_code:  # a repo's code names the key it looks up: it reads no other model's reference
+        _hand_over_stored_reference(artifacts, settings)
     keep_lease = _lease_keeper(job_id, owner, settings)
     user, private = stage_user(job, artifacts, settings, runs_repo_code=job.trust_remote_code)
     report = supervise(
         _stage_request(job, Stage.verdict, artifacts), job, settings, keep_lease, None, None, user, private
     )
     output = _verdict_output(artifacts)
+    if isinstance(output, str):  # the stage left what no verdict can be read from: no row may rest on its report
+        if report is not None and report.verdict != Verdict.ERROR:
+            report = job_report(job, Verdict.ERROR, ErrorClass.internal, output)
+        output = None
     # A reference is shared by every later run under its key: one computed by a repo's own code (which wrote the
     # stage's files, the key included) could stand in for any model's, so only a run of transformers' code stores one.
     if output is not None and output.new_reference is not None and not job.trust_remote_code:
@@ -297,12 +302,15 @@ def _read_if_there(path: Path) -> bytes | None:
         return None
 
 
-def _verdict_output(artifacts: Artifacts) -> VerdictOutput | None:
-    """What the verdict stage left, None when it left nothing that parses (the stage's own report says why)."""
-    try:
-        return VerdictOutput.model_validate_json(_read_if_there(artifacts.verdict) or b"")
-    except ValidationError:
+def _verdict_output(artifacts: Artifacts) -> VerdictOutput | str | None:
+    """What the verdict stage left: None when it left nothing (its own report says why), and why, when what it left
+    is no regular file or does not parse."""
+    if not os.path.lexists(artifacts.verdict):
         return None
+    try:
+        return VerdictOutput.model_validate_json(read_regular(artifacts.verdict))
+    except (OSError, ValidationError) as exc:
+        return f"the verdict stage's output {artifacts.verdict} could not be read: {str(exc).splitlines()[0][:300]}"
 
 
 def _hand_over_stored_reference(artifacts: Artifacts, settings: Settings) -> None:
