@@ -47,6 +47,10 @@ from pydantic import BaseModel
 
 from shared.settings import Settings
 
+# Opens a directory by descriptor, refusing a symbolic link at its name: how every directory of a job (its user's) is
+# entered by the worker.
+OPEN_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
 
 class RunAs(BaseModel):
     """The user a runner process runs as (it crosses into the zygote with a fork request)."""
@@ -112,7 +116,7 @@ def give(path: Path, user: RunAs) -> None:
 def make_private(directory: Path) -> None:
     """``directory`` 0700, through its own descriptor: a link planted in its place (by a process of the user it
     belongs to) is refused (OSError), never followed."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    fd = os.open(directory, OPEN_DIRECTORY)
     try:
         os.fchmod(fd, 0o700)
     finally:
@@ -204,9 +208,8 @@ class Sandbox:
         """The sandbox and its directories, made where missing, in its job's directory — the job's sandbox uid's
         since its first stage, so a link or file planted at any of their names is removed, never followed: each is
         made and opened relative to its parent's descriptor (O_NOFOLLOW). Raises OSError."""
-        directory = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
         self.root.parent.mkdir(parents=True, exist_ok=True)
-        job_fd = os.open(self.root.parent, directory)  # the job's directory: in the worker's own artifacts directory
+        job_fd = os.open(self.root.parent, OPEN_DIRECTORY)  # the job's directory, in the worker's artifacts directory
         try:
             root_fd = _directory_at(job_fd, self.root.name)
             try:
@@ -270,7 +273,7 @@ class WorkDir:
         elif planted is not None:
             self.path.unlink()
         self.path.mkdir(mode=0o700)
-        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fd = os.open(self.path, OPEN_DIRECTORY)
         try:
             os.fchmod(fd, 0o700)  # mkdir's mode is masked by the umask; this is not
             if user is not None:
@@ -352,12 +355,11 @@ class DownloadStaging:
         if sandbox.root.parent != job_dir or sandbox.hub_home.parent != sandbox.root:
             raise ValueError(f"{sandbox.root} is not {job_dir}'s sandbox")
         give(self.root, user)
-        directory = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
         parent_fd = os.open(job_dir.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            job_fd = os.open(job_dir.name, directory, dir_fd=parent_fd)
+            job_fd = os.open(job_dir.name, OPEN_DIRECTORY, dir_fd=parent_fd)
             try:
-                sandbox_fd = os.open(sandbox.root.name, directory, dir_fd=job_fd)
+                sandbox_fd = os.open(sandbox.root.name, OPEN_DIRECTORY, dir_fd=job_fd)
                 try:
                     _replace(self.hub_home, sandbox_fd, sandbox.hub_home.name)
                 finally:
@@ -386,7 +388,7 @@ def _directory_at(dir_fd: int, name: str) -> int:
         held = None
     if held is None:
         os.mkdir(name, 0o700, dir_fd=dir_fd)
-    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    return os.open(name, OPEN_DIRECTORY, dir_fd=dir_fd)
 
 
 def _replace(source: Path, dir_fd: int, name: str) -> None:

@@ -233,6 +233,12 @@ class ApiSettings(ServiceSettings):
     )
 
 
+def _uid_range(text: str) -> range:
+    """``FIRST-LAST`` (both included), as SUPPORTMATRIX_SANDBOX_UIDS spells a range of uids."""
+    first, last = (int(bound) for bound in text.split("-"))
+    return range(first, last + 1)
+
+
 class WorkerSettings(ServiceSettings):
     """The host launcher's and its stage workers' own (services/worker: host, supervise, the stage tasks)."""
 
@@ -259,8 +265,8 @@ class WorkerSettings(ServiceSettings):
     @field_validator("sandbox_uids")
     @classmethod
     def _a_range_of_unprivileged_uids(cls, value: str) -> str:
-        first, last = (int(bound) for bound in value.split("-"))
-        if not 1000 <= first <= last < 65536:
+        uids = _uid_range(value)
+        if not uids or uids.start < 1000 or uids.stop > 65536:
             raise ValueError(
                 f"{value!r} is not FIRST-LAST with 1000 <= FIRST <= LAST < 65536: a repo's code must never run as "
                 "root or a system account, and a user-namespaced container maps only uids below 65536"
@@ -269,8 +275,7 @@ class WorkerSettings(ServiceSettings):
 
     @property
     def sandbox_uid_range(self) -> range:
-        first, last = (int(bound) for bound in self.sandbox_uids.split("-"))
-        return range(first, last + 1)
+        return _uid_range(self.sandbox_uids)
 
     @property
     def isolates_runners(self) -> bool:

@@ -263,7 +263,11 @@ def judge_job(self: Any, job_id: int) -> str:
         return _write_result(job_id, owner, job_report(job, Verdict.ERROR, ErrorClass.internal, unrunnable), artifacts,
                              settings)  # fmt: skip
     artifacts.verdict.unlink(missing_ok=True)  # a lost attempt's output is not this attempt's
-    if not job.trust_remote_code:  # a repo's code names the key it looks up: it reads no other model's reference
+    # Stored references are shared by every run under their keys, and a repo's own code writes its stage's files, the
+    # key included: it could read any model's reference, or stand its own in for one. So only a run of transformers'
+    # code is handed one, or stores one.
+    shares_references = not job.trust_remote_code
+    if shares_references:
         _hand_over_stored_reference(artifacts, settings)
     keep_lease = _lease_keeper(job_id, owner, settings)
     user, private = stage_user(job, artifacts, settings, runs_repo_code=job.trust_remote_code)
@@ -275,9 +279,7 @@ def judge_job(self: Any, job_id: int) -> str:
         if report is not None and report.verdict != Verdict.ERROR:
             report = job_report(job, Verdict.ERROR, ErrorClass.internal, output)
         output = None
-    # A reference is shared by every later run under its key: one computed by a repo's own code (which wrote the
-    # stage's files, the key included) could stand in for any model's, so only a run of transformers' code stores one.
-    if output is not None and output.new_reference is not None and not job.trust_remote_code:
+    if output is not None and output.new_reference is not None and shares_references:
         blob = _read_if_there(artifacts.reference_prefill)
         reference = output.new_reference
         durably(settings, lambda s: references.store(s, reference, blob))
