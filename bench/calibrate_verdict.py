@@ -93,7 +93,8 @@ def rule_of(verdict: str, reason: str) -> str:
     if verdict != "FAIL":
         return "error"
     for needle, rule in (("non-finite", "nonfinite"), ("prefill logits differ", "prefill"),
-                         ("implausible", "loglik"), ("not a near tie", "near_tie"), ("judge", "judge")):  # fmt: skip
+                         ("implausible", "loglik"), ("not a near tie", "near_tie"), ("judge", "judge"),
+                         ("logits differ from the reference's on the same prefix", "decode")):  # fmt: skip
         if needle in reason:
             return rule
     return "other"
@@ -226,7 +227,7 @@ class _Bench:
                 backend="cpu", task=Task.text_generation, model_dir=model_dir, artifacts=artifacts, accelerator=acc
             )
             stored = self.stored.get((arch, seed, dtype)) if self.reuse_references else None
-            found = None if stored is None else task.reuse(acc, stored[0])
+            found = None if stored is None else task.reuse(acc, stored[0], Artifacts(artifacts), dtype)
             if found is not None and stored is not None:
                 Artifacts(artifacts).reference_prefill.write_bytes(stored[1])
             else:
@@ -304,15 +305,18 @@ def _fill(run: Run, report: RunReport) -> None:
         run.max_rank = max(s["rank"] for s in steps)
         run.max_gap_routing_margin = max(steps, key=lambda s: s["gap"]).get("routing_margin")
     evidence = comparison.evidence or {}
+    # each decode step's error at the reference's top logits (rule version 7), to re-decide the run
+    run.extra = {"step_errors": evidence.get("step_rel_errors"), "steps": steps}
     if "routing_flips" in evidence:  # a MoE: what the routing rule read, to re-decide the run (``moe_what_if``)
         reason = report.verdict_reason or ""
         excused = "prompt" if "routing flipped in the prompt" in reason else None
         excused = "step" if "after the routing flipped" in reason else excused
-        run.extra = {"flips": evidence["routing_flips"], "roots": evidence["routing_roots"], "steps": steps,
+        run.extra |= {"flips": evidence["routing_flips"], "roots": evidence["routing_roots"],
                      "reused": comparison.reference_reused, "excused": excused,
                      "forced_prefill": evidence.get("forced_prefill_rel_error"),
                      "forced_loglik": evidence.get("forced_accelerator_loglik"),
-                     "forced_best_loglik": evidence.get("forced_reference_loglik")}  # fmt: skip
+                     "forced_best_loglik": evidence.get("forced_reference_loglik"),
+                     "forced_step_errors": evidence.get("forced_step_rel_errors")}  # fmt: skip
     if run.divergence is not None and comparison.reference_loglik is not None:
         run.loglik_drop = comparison.reference_loglik - (comparison.accelerator_loglik or 0.0)
 
@@ -833,6 +837,7 @@ DENSE_FAULTS = ("scale_shard_10pct", "cache_position")
 # the tiny 2-layer fixtures, and a dense model of the MoE fixtures' own depth and width (testing.moe_fixtures)
 DENSE_FAULT_ARCHS = ("tiny-llama", "tiny-qwen3", "tiny-mistral", "dense-llama-24x32")
 ROUTING_TIES = (0.02, 0.05, 0.1, 0.25, 0.5)  # the what-if table's routing_tie candidates
+DECODE_TOLERANCES = (0.02, 0.03, 0.04, 0.06, 0.08, 0.12)  # and the decode tolerance's (rule version 7)
 
 
 def _dense_twin(run: Run, moe_archs: set[str]) -> bool:
@@ -889,6 +894,8 @@ def execute_moe(plan: MoePlan, bench: _Bench, log: Any) -> tuple[list[Run], list
               file=log, flush=True)  # fmt: skip
 
     def faulted(seed: int) -> None:
+        for arch in DENSE_FAULT_ARCHS:  # the dense models' benign runs: what the decode check costs them
+            record(f"benign {arch} s{seed}", lambda a=arch, s=seed: bench.single("benign", a, s, 2))
         for fault in MOE_FAULTS:
             for arch in plan.moe_archs:
                 record(f"{fault} {arch} s{seed}", lambda a=arch, f=fault, s=seed: bench.single(f, a, s, 2, fault=f))
@@ -916,10 +923,12 @@ def execute_moe(plan: MoePlan, bench: _Bench, log: Any) -> tuple[list[Run], list
     return runs, not_run
 
 
-def moe_decide(run: Run, routing_tie: float, counterfactual: bool = True) -> str:
+def moe_decide(run: Run, routing_tie: float, counterfactual: bool = True, decode: float | None = None) -> str:
     """A MoE run re-decided by ``decide`` from what it recorded, under another ``routing_tie``: its divergent steps,
     its prefill error and likelihoods, the roots of its routing flips (which alone the routing rule reads) and its
-    counterfactual. Without ``counterfactual``, as rule version 4 decided: the flips explain whatever they excuse."""
+    counterfactual. Without ``counterfactual``, as rule version 4 decided: the flips explain whatever they excuse.
+    ``decode``: another decode tolerance (rule version 7; infinite: no decode check, as version 6). A dense run has no
+    flips: the same call re-decides it."""
     from shared.contracts.evidence import Evidence, RoutingFlip, StepEvidence
     from shared.results.verdict import decide
     from shared.testconfig import Tolerances
@@ -936,8 +945,11 @@ def moe_decide(run: Run, routing_tie: float, counterfactual: bool = True) -> str
     # more often than version 4 would excuse it.
     flips = [RoutingFlip(**root) for root in run.extra.get("roots") or []] if "roots" in run.extra else None
     tol = replace(Tolerances.for_dtype("bfloat16"), routing_tie=routing_tie)
+    tol = tol if decode is None else replace(tol, decode=decode)
     evidence = Evidence(numbers, steps, routing_flips=flips, forced_prefill_rel_error=forced,
-                        forced_accelerator_loglik=forced_loglik, forced_reference_loglik=forced_best)  # fmt: skip
+                        forced_accelerator_loglik=forced_loglik, forced_reference_loglik=forced_best,
+                        step_rel_errors=run.extra.get("step_errors"),
+                        forced_step_rel_errors=run.extra.get("forced_step_errors"))  # fmt: skip
     return decide(evidence, tol).verdict.value
 
 
@@ -1018,6 +1030,35 @@ def moe_status(runs: list[Run], not_run: list[str], moe_archs: set[str], routing
     return text
 
 
+def decode_what_if(done: list[Run], moe_archs: set[str], tol: Any) -> list[str]:
+    """Every run, MoE and dense, re-decided under another decode tolerance (rule version 7), from the step errors it
+    recorded: what the check costs the benign runs and what it catches."""
+    kinds = (("MoE", lambda r, moe: r.arch in moe), *((kind, pick) for kind, pick, _ in DENSE_KINDS))
+    recorded = [r for r in done if r.extra.get("step_errors")]
+    columns = [(f"benign FAIL, {kind}", "benign", pick) for kind, pick in kinds]
+    columns += [(f"{fault} caught, {kind}", fault, pick) for fault in MOE_FAULTS for kind, pick in kinds
+                if fault in DENSE_FAULTS or kind == "MoE"]  # fmt: skip
+    lines = [
+        "",
+        "What if: every run re-decided under another decode tolerance (each decode step's logits against the "
+        "reference's on the same prefix, at its top 64 logits; rule version 7), the routing rule as the code has it; "
+        '"none" is version 6, no decode check:',
+        "",
+        "| decode tolerance | " + " | ".join(label for label, _, _ in columns) + " |",
+        "|---:|" + "---:|" * len(columns),
+    ]
+    for decode in (*sorted({*DECODE_TOLERANCES, tol.decode}), math.inf):
+        mark = " (the code's)" if decode == tol.decode else ""
+        cells = []
+        for _, kind, pick in columns:
+            group = [r for r in recorded if r.kind == kind and pick(r, moe_archs)]
+            fails = sum(moe_decide(r, tol.routing_tie, decode=decode) == "FAIL" for r in group)
+            cells.append(f"{fails} / {len(group)}")
+        label = "none" if decode == math.inf else f"{decode:g}{mark}"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def moe_markdown(runs: list[Run], not_run: list[str], meta: dict[str, Any]) -> str:
     from shared.testconfig import VERDICT_RULE_VERSION, Tolerances
 
@@ -1046,8 +1087,8 @@ def moe_markdown(runs: list[Run], not_run: list[str], meta: dict[str, Any]) -> s
         "top k+8 logits, or against no expert: no near tie the rule can measure.",
         "",
         "| runs | n | FAIL | rate | excused by a routing flip (prompt / step) | flips per run median | "
-        "largest root margin |",
-        "|---|---:|---:|---:|---|---:|---:|",
+        "largest root margin | decode step error, largest (the counterfactual's) | decode step error, median |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
 
     def group_row(label: str, group: list[Run]) -> str:
@@ -1061,12 +1102,18 @@ def moe_markdown(runs: list[Run], not_run: list[str], meta: dict[str, Any]) -> s
         ]
         rate = f"{100 * fails / len(group):.0f} %" if group else "-"
         median = statistics.median(flips) if flips else None
+        # each run's largest decode step error (step 0 is the prefill's), and its counterfactual's where one ran
+        largest = [max(r.extra["step_errors"][1:]) for r in group if r.extra.get("step_errors")]
+        forced = [max(r.extra["forced_step_errors"][1:]) for r in group if r.extra.get("forced_step_errors")]
+        decode = f"{_fmt(max(largest, default=None))} ({_fmt(max(forced, default=None))})"
         return (f"| {label} | {len(group)} | {fails} | {rate} | {prompt} / {step} | {_fmt(median)} | "
-                f"{_fmt(max(margins, default=None))} |")  # fmt: skip
+                f"{_fmt(max(margins, default=None))} | {decode} | "
+                f"{_fmt(statistics.median(largest) if largest else None)} |")  # fmt: skip
 
     for label, group in (
         ("benign MoE, 1 core", [r for r in benign if r.cores == 1 and r.arch in moe_archs]),
         ("benign MoE, EP 2", [r for r in benign if r.cores > 1 and r.arch in moe_archs]),
+        *((f"benign, {kind}", [r for r in benign if pick(r, moe_archs)]) for kind, pick, _ in DENSE_KINDS),
     ):
         lines.append(group_row(label, group))
     for fault in MOE_FAULTS:
@@ -1076,11 +1123,13 @@ def moe_markdown(runs: list[Run], not_run: list[str], meta: dict[str, Any]) -> s
                 lines.append(group_row(f"{fault}, {kind}", group))
     errors = [r for r in runs if r.rule == "error"]
     false_fails = [r for r in benign if r.verdict == "FAIL"]
-    sharded_n = sum(r.cores > 1 for r in benign)
-    met = len(benign) - sharded_n >= 200 and sharded_n >= 50 and not false_fails
-    lines += ["", f"**Benign false FAIL: {len(false_fails)} / {len(benign)}** ({sharded_n} sharded). Goals (issue 30): "
-              f"0 false FAIL over >= 200 benign single-core and >= 50 sharded runs — "
-              f"{'met' if met else 'not met by this run'}.", ""]  # fmt: skip
+    moe_benign = [r for r in benign if r.arch in moe_archs]
+    moe_fails, dense_n = sum(r.verdict == "FAIL" for r in moe_benign), len(benign) - len(moe_benign)
+    sharded_n = sum(r.cores > 1 for r in moe_benign)
+    met = len(moe_benign) - sharded_n >= 200 and sharded_n >= 50 and not moe_fails
+    lines += ["", f"**Benign false FAIL: {moe_fails} / {len(moe_benign)} MoE** ({sharded_n} sharded), "
+              f"{len(false_fails) - moe_fails} / {dense_n} dense. Goals (issue 30): 0 false FAIL over >= 200 benign "
+              f"single-core and >= 50 sharded MoE runs — {'met' if met else 'not met by this run'}.", ""]  # fmt: skip
     lines += [moe_status(runs, not_run, moe_archs, tol.routing_tie), ""]
     lines += [
         "What if: every MoE run re-decided under another routing_tie, from its recorded evidence (its roots of the "
@@ -1104,8 +1153,13 @@ def moe_markdown(runs: list[Run], not_run: list[str], meta: dict[str, Any]) -> s
         mark = " (the code's)" if tie == tol.routing_tie else ""
         lines.append(what_if_row(f"{tie:g}{mark}", lambda r, t=tie: moe_decide(r, t)))
     lines.append(what_if_row("rule version 2 (the reference's margin alone, 0.05)", moe_decide_v2))
-    lines.append(what_if_row(f"rule version 4 (no counterfactual; {tol.routing_tie:g})",
-                             lambda r: moe_decide(r, tol.routing_tie, counterfactual=False)))  # fmt: skip
+    lines.append(what_if_row(
+        f"rule version 4 (no counterfactual; {tol.routing_tie:g})",
+        lambda r: moe_decide(r, tol.routing_tie, counterfactual=False, decode=math.inf),
+    ))  # fmt: skip
+    lines.append(what_if_row(f"rule version 6 (no decode check; {tol.routing_tie:g})",
+                             lambda r: moe_decide(r, tol.routing_tie, decode=math.inf)))  # fmt: skip
+    lines += decode_what_if(done, moe_archs, tol)
     if false_fails:
         lines += ["", "Benign runs that FAIL:", ""]
         lines += [f"- {r.arch} seed {r.seed}, {r.cores} core(s): {r.reason[:240]}" for r in false_fails]

@@ -43,7 +43,14 @@ SENTENCES = [
 # where it explains the flips, the text is weighed under it too (against its own best picks on the same prefix).
 # 6: the reference keeps its top k+8 router logits (services.runner.routing.EXTRA_LOGITS; k+2 before): a flip to an
 # expert between them is measured, where it was no near tie at all.
-VERDICT_RULE_VERSION = 6
+# 7: every decode step's logits are checked as the prefill's are, at the reference's top DECODE_TOP logits on the same
+# prefix (a stored reference keeps them): a fault of the decode alone (a cache position off by one) moves them while
+# the 32 tokens match; a MoE's step past it is excused only where the routing flipped at near ties by then and the
+# counterfactual's step matches.
+VERDICT_RULE_VERSION = 7
+# How many of the reference's largest logits each decode step is compared at: what greedy picks from and more, and
+# few enough that a stored reference keeps every step's (32 x 64 logits and ids, not 32 x the vocabulary)
+DECODE_TOP = 64
 DTYPES = ("float32", "bfloat16")  # the run dtypes of the backends (shared.hub.sizing.run_dtype)
 
 
@@ -52,6 +59,8 @@ class Tolerances:
     """What the text-generation verdict (``shared.results.verdict.decide``) tolerates, per run dtype."""
 
     prefill: float  # ||acc - ref|| / ||ref|| of the prefill logits (Comparison.prefill_rel_error)
+    # the same at each decode step, over the reference's top DECODE_TOP logits on the accelerator's prefix
+    decode: float
     near_tie_gap: float  # nats between the reference's best token and the accelerator's
     top_k: int
     loglik_slack: float  # nats per token the accelerator's text may lose against the reference's
@@ -64,7 +73,7 @@ class Tolerances:
     @classmethod
     def for_dtype(cls, dtype: str) -> Tolerances:
         if dtype == "float32":
-            return cls(prefill=1e-3, near_tie_gap=1e-3, top_k=5, loglik_slack=0.05)
+            return cls(prefill=1e-3, decode=1e-3, near_tie_gap=1e-3, top_k=5, loglik_slack=0.05)
         # bf16 / fp16 keep 8-11 bits of mantissa. Measured by bench/calibrate_verdict.py (BENCHMARKS.md, *Verdict
         # calibration*: 203 benign bf16 runs of 10 architectures, graded faults):
         # - prefill 0.04: dense benign runs reach 0.0244 (1.6x margin); a 10 % scaled shard reaches 0.0487 on
@@ -84,7 +93,9 @@ class Tolerances:
         #   which forcing would reproduce. An absolute logit gap: a real router's larger logits on trn2 round in larger
         #   steps. The prefill error flipped experts move reached 0.18 in benign runs, which the counterfactual
         #   explained: routing_cap 0.3 bounds what a flip may excuse at all; a dropped layer's is ~1.
-        return cls(prefill=4e-2, near_tie_gap=0.3, top_k=5, loglik_slack=0.3, routing_tie=0.25, routing_cap=0.3)
+        return cls(
+            prefill=4e-2, decode=4e-2, near_tie_gap=0.3, top_k=5, loglik_slack=0.3, routing_tie=0.25, routing_cap=0.3
+        )
 
 
 @dataclass(frozen=True)

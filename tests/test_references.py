@@ -7,11 +7,14 @@ and stores the one a verdict stage computed; the runner itself never opens the d
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from services.runner.faults import LATE_STEP
 from shared.contracts.enums import LongOutcome
-from shared.contracts.handoffs import AcceleratorData, StoredReference
+from shared.contracts.handoffs import AcceleratorData, Artifacts, StoredReference
 from shared.contracts.report import Placement, Timings
 from shared.db.engine import new_session, session_scope
 from shared.db.models import ReferenceRun
@@ -83,29 +86,78 @@ def test_a_second_compiler_version_reusing_the_reference_still_checks_its_long_g
     assert rerun["long_generation"] == LongOutcome.ok and rerun["long_first_divergence"] is None
 
 
-def test_a_stored_reference_decides_the_long_generation_as_a_fresh_one_and_asks_for_the_model_when_it_cannot() -> None:
+def _steps(root: Path, vocab: int = 200) -> tuple[Artifacts, dict[str, Any]]:
+    """A job's directory whose accelerator left 32 steps of logits, and a stored reference's top logits of the same
+    steps: the reference's own run, on the accelerator's (the same) tokens."""
+    from services.runner.tasks.text_generation import top_logits
+
+    artifacts = Artifacts(root)
+    steps = np.random.default_rng(0).normal(size=(32, vocab)).astype(np.float32) + 3.0
+    np.save(artifacts.step_logits, steps)
+    tops = [top_logits(step) for step in steps]
+    return artifacts, {"step_top_ids": [ids for ids, _ in tops], "step_top_logits": [logits for _, logits in tops]}
+
+
+def test_a_stored_reference_decides_the_long_generation_as_a_fresh_one_and_asks_for_the_model_when_it_cannot(
+    tmp_path: Path,
+) -> None:
     """``TextGeneration.reuse`` alone: the same 32 and long tokens get the stored long log-probs (the accelerator's
     tokens are the reference's own); other long tokens, or a reference stored without its long generation (the tiers
     off), need the model; with the tiers off the long data is not needed."""
     from services.runner.tasks.text_generation import TextGeneration
 
     tokens, long = list(range(32)), list(range(256))
-    stored = {"token_ids": tokens, "reference_loglik": -2.0, "long_token_ids": long, "long_logprobs": [-1.5] * 256}
+    artifacts, tops = _steps(tmp_path)
+    stored = {"token_ids": tokens, "reference_loglik": -2.0, "long_token_ids": long, "long_logprobs": [-1.5] * 256,
+              **tops}  # fmt: skip
     placement = Placement()
     acc = AcceleratorData(token_ids=tokens, long_token_ids=long, long_finite=True, finite=True, placement=placement,
                           timings=Timings())  # fmt: skip
-    found = TextGeneration().reuse(acc, stored)
+    found = TextGeneration().reuse(acc, stored, artifacts, "float32")
     assert found is not None and found.reused and found.long_logprobs == [-1.5] * 256
-    assert found.accelerator_loglik == -2.0
+    assert found.accelerator_loglik == -2.0 and found.step_rel_errors == [0.0] * 32
     late = acc.model_copy(update={"long_token_ids": [*long[:100], *range(1000, 1156)]})
-    assert TextGeneration().reuse(late, stored) is None
+    assert TextGeneration().reuse(late, stored, artifacts, "float32") is None
     tiers_off = {k: v for k, v in stored.items() if not k.startswith("long_")}
-    assert TextGeneration().reuse(acc, tiers_off) is None
-    no_long = TextGeneration().reuse(acc.model_copy(update={"long_token_ids": None}), tiers_off)
+    assert TextGeneration().reuse(acc, tiers_off, artifacts, "float32") is None
+    no_long = TextGeneration().reuse(acc.model_copy(update={"long_token_ids": None}), tiers_off, artifacts, "float32")
     assert no_long is not None and no_long.long_logprobs is None
 
 
-def test_a_stored_moe_reference_is_reused_only_with_its_router_logits() -> None:
+def test_a_stored_reference_holds_each_decode_step_to_its_own_top_logits_as_a_fresh_one_does(tmp_path: Path) -> None:
+    """A decode-only fault (an off-by-one cache position) can leave every token the stored reference's: reused, its
+    moved step is measured against the stored run's top logits — the same prefix — and the run fails, as with a fresh
+    reference. A reference stored before the steps' top logits were kept needs the model; so does a MoE's moved step
+    after a flip (only the counterfactual can excuse it)."""
+    from services.runner.tasks.text_generation import TextGeneration
+    from shared.contracts.handoffs import Routing
+    from shared.testconfig import Tolerances
+
+    tokens = list(range(32))
+    artifacts, tops = _steps(tmp_path)
+    stored = {"token_ids": tokens, "text": "", "reference_loglik": -2.0, "generate_s": 1.0, "peak_rss_bytes": 1, **tops}
+    steps = np.load(artifacts.step_logits)
+    steps[12] += np.random.default_rng(1).normal(scale=0.5, size=steps.shape[1]).astype(np.float32)
+    np.save(artifacts.step_logits, steps)
+    acc = AcceleratorData(token_ids=tokens, finite=True, placement=Placement(), timings=Timings())
+    found = TextGeneration().reuse(acc, stored, artifacts, "bfloat16")
+    assert found is not None and found.reused and found.step_rel_errors is not None
+    assert found.step_rel_errors[12] > Tolerances.for_dtype("bfloat16").decode
+    assert max(found.step_rel_errors[:12] + found.step_rel_errors[13:]) == 0.0
+    np.save(artifacts.prefill, steps[0])
+    np.save(artifacts.reference_prefill, steps[0])
+    conclusion = TextGeneration().conclude(acc, found, artifacts, "bfloat16")
+    assert conclusion.verdict.value == "FAIL" and "step 12's logits differ" in conclusion.reason, conclusion.reason
+    older = {k: v for k, v in stored.items() if not k.startswith("step_top")}
+    assert TextGeneration().reuse(acc, older, artifacts, "bfloat16") is None
+    routing = {"experts": [[[0, 1]]] * 13, "prompt_positions": 1, "top_logits": [[[2.0, 1.0, 0.99, 0.1]]] * 13,
+               "top_experts": [[[0, 1, 2, 3]]] * 13}  # fmt: skip
+    flipped = [[[0, 1]]] * 5 + [[[0, 2]]] + [[[0, 1]]] * 7  # step 5 flipped at a near tie
+    moe = acc.model_copy(update={"routing": Routing(**(routing | {"experts": flipped}))})
+    assert TextGeneration().reuse(moe, stored | {"routing": routing}, artifacts, "bfloat16") is None
+
+
+def test_a_stored_moe_reference_is_reused_only_with_its_router_logits(tmp_path: Path) -> None:
     """A MoE's accelerator routing is compared with the stored reference's: one stored by an older runner (its
     margins, no router logits) cannot give a flip its margin, so the model runs again; one with them gives the
     flips, each at the gap between the experts that swapped. A flip in the prompt may have moved the prefill, which
@@ -116,16 +168,17 @@ def test_a_stored_moe_reference_is_reused_only_with_its_router_logits() -> None:
     tokens = list(range(32))
     experts = [[[0, 1]]] * 2  # two positions, one layer, top-2
     old = {"experts": experts, "margins": [[0.5]] * 2, "prompt_positions": 2}
-    stored = {"token_ids": tokens, "reference_loglik": -2.0, "routing": old}
+    artifacts, tops = _steps(tmp_path)
+    stored = {"token_ids": tokens, "reference_loglik": -2.0, "routing": old, **tops}
     acc = AcceleratorData(token_ids=tokens, finite=True, placement=Placement(), timings=Timings(),
                           routing=Routing(experts=[[[0, 1]], [[0, 2]]], prompt_positions=2))  # fmt: skip
-    assert TextGeneration().reuse(acc, stored) is None
+    assert TextGeneration().reuse(acc, stored, artifacts, "float32") is None
     top = {"top_logits": [[[2.0, 1.0, 0.99, 0.1]]] * 2, "top_experts": [[[0, 1, 2, 3]]] * 2}
-    found = TextGeneration().reuse(acc, stored | {"routing": old | top})
+    found = TextGeneration().reuse(acc, stored | {"routing": old | top}, artifacts, "float32")
     assert found is None  # the flip is at the prompt's last position (step 0)
     generated = {"prompt_positions": 1}  # the same flip one position later: step 1, after the prefill
     acc = acc.model_copy(update={"routing": acc.routing.model_copy(update=generated)})
-    found = TextGeneration().reuse(acc, stored | {"routing": old | top | generated})
+    found = TextGeneration().reuse(acc, stored | {"routing": old | top | generated}, artifacts, "float32")
     assert found is not None and found.routing_flips is not None and len(found.routing_flips) == 1
     assert found.routing_flips[0].step == 1 and abs(found.routing_flips[0].margin - 0.01) < 1e-9
 

@@ -185,6 +185,18 @@ def test_evidence_comes_from_what_greedy_picked_from(tiny_models: Path, tmp_path
     assert report.resources.graphs_compiled == 2
 
 
+def test_a_fault_of_the_decode_alone_fails_at_the_first_step_whose_logits_moved(tiny_models: Path) -> None:
+    """An off-by-one cache position leaves the prefill as it is and moves every decode step (rule version 7): the
+    run fails at step 1, where its logits first differ from the reference's on the same prefix, whatever its tokens
+    do; the row keeps every step's error."""
+    code, report = run_local(tiny_models / "tiny-llama", SUPPORTMATRIX_CPU_FAULT="cache_position")
+    assert code == 1 and report.verdict == "FAIL", report.verdict_reason
+    assert (report.verdict_reason or "").startswith("step 1's logits differ from the reference's on the same prefix")
+    errors = report.comparison.evidence["step_rel_errors"]
+    assert len(errors) == 32 and errors[0] < 1e-3 < min(errors[1:])  # fp32: the prefill is untouched
+    assert (report.comparison.prefill_rel_error or 0.0) < 1e-3
+
+
 def test_the_compile_has_a_budget_of_its_own_and_a_timeout_names_its_phase(tiny_models: Path) -> None:
     """Compile seconds are charged to SUPPORTMATRIX_COMPILE_TIMEOUT_S, everything else to the job timeout: a
     compile past its budget is ERROR(timeout) naming the compile phase, however much of the rest is left."""

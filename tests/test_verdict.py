@@ -235,6 +235,37 @@ def test_a_moe_far_divergence_at_a_near_tie_layer_is_excused_only_where_the_rout
     assert decide(replace(flipped, divergent_steps=[early, step]), BF16).verdict == Verdict.FAIL
 
 
+def test_a_decode_step_whose_logits_moved_fails_with_matching_tokens_and_a_moes_is_excused_only_by_its_flips() -> None:
+    """Rule version 7: each decode step's logits are held to the dtype's decode tolerance as the prefill's are, so a
+    fault of the decode alone (an off-by-one cache position) fails where every token still matches. A MoE's step past
+    it passes only where the routing flipped at near ties by that step and the reference made to choose the
+    accelerator's experts matches that step; step 0 is the prefill's, ruled on by its own tolerance."""
+    steady = [0.01] * 32
+    moved = [*steady[:9], 0.07, *steady[10:]]  # step 9 past bf16's 0.04
+    assert decide(evidence(TOKENS, TOKENS, step_rel_errors=steady), BF16).verdict == Verdict.PASS
+    decision = decide(evidence(TOKENS, TOKENS, step_rel_errors=moved), BF16)
+    assert decision.verdict == Verdict.FAIL and "step 9's logits differ" in decision.reason, decision.reason
+    assert decide(evidence(TOKENS, TOKENS, step_rel_errors=[0.07, *steady[1:]]), BF16).verdict == Verdict.PASS
+    assert decide(evidence(TOKENS, TOKENS, step_rel_errors=[0.0, 2e-3, *[0.0] * 30]), FP32).verdict == Verdict.FAIL
+    # a MoE: flipped at a near tie at step 9's position, and the counterfactual matches that step
+    forced = [0.01] * 32
+    moe = evidence(
+        TOKENS, TOKENS, step_rel_errors=moved, routing_flips=[flip(9, 4, 0.1)], forced_step_rel_errors=forced
+    )
+    assert decide(moe, BF16).verdict == Verdict.PASS, decide(moe, BF16).reason
+    unexplained = replace(moe, forced_step_rel_errors=[*forced[:9], 0.06, *forced[10:]])
+    assert "does not explain it" in decide(unexplained, BF16).reason
+    for without in (
+        replace(moe, forced_step_rel_errors=None),
+        replace(moe, routing_flips=[flip(10, 4, 0.1)]),
+        replace(moe, routing_flips=[flip(9, 4, 0.6)]),
+        replace(moe, step_rel_errors=[*moved[:9], 0.5]),
+    ):
+        assert (
+            decide(without, BF16).verdict == Verdict.FAIL
+        )  # no counterfactual, a later flip, a clear one, past the cap
+
+
 def test_a_moe_text_is_weighed_under_the_reference_made_to_choose_its_experts_too() -> None:
     """A benign bf16 run of a 24-layer, 64-expert Mixtral in the calibration: 142 flips, every root a near tie, a
     prefill error of 0.142 (under the routing cap) and text the reference, with its own routing, finds 0.68 nats less

@@ -46,6 +46,8 @@ class DecideCase(BaseModel):
     forced_prefill_rel_error: float | None = None  # a MoE's counterfactual (None: it did not run)
     forced_accelerator_loglik: float | None = None
     forced_reference_loglik: float | None = None
+    step_rel_errors: list[float] | None = None  # each step's logits against the reference's (None: not compared)
+    forced_step_rel_errors: list[float] | None = None  # and against the counterfactual's
     verdict: str
     first_divergence: int | None
 
@@ -60,8 +62,11 @@ class DecideCase(BaseModel):
             generated[step.step] = step.accelerator_token
         comparison = Comparison(**self.comparison, generated_token_ids=generated, reference_token_ids=REFERENCE)
         flips = None if self.routing_flips is None else [RoutingFlip(**flip) for flip in self.routing_flips]
-        return Evidence(comparison, steps, self.finite, self.sharded, judge, flips, self.forced_prefill_rel_error,
-                        self.forced_accelerator_loglik, self.forced_reference_loglik)  # fmt: skip
+        return Evidence(comparison, steps, self.finite, self.sharded, judge, routing_flips=flips,
+                        step_rel_errors=self.step_rel_errors, forced_prefill_rel_error=self.forced_prefill_rel_error,
+                        forced_step_rel_errors=self.forced_step_rel_errors,
+                        forced_accelerator_loglik=self.forced_accelerator_loglik,
+                        forced_reference_loglik=self.forced_reference_loglik)  # fmt: skip
 
     def decided(self, tolerances: Tolerances) -> tuple[str, int | None]:
         decision = decide(self.evidence(), tolerances)
@@ -220,6 +225,42 @@ def moe_cases() -> Iterator[DecideCase]:
                     )  # fmt: skip
 
 
+def decode_cases() -> Iterator[DecideCase]:
+    """Each decode step's logits (rule version 7): within the decode tolerance, one step (9) past it, past the routing
+    cap; with every token matching or a near tie at step 5; a dense run or a MoE whose routing flipped at a near tie by
+    that step, only after it, or at a clear margin; the counterfactual's step matching, unchanged, or not run."""
+    for dtype in DTYPES:
+        tol = Tolerances.for_dtype(dtype)
+        within = [tol.decode / 2] * NEW_TOKENS
+
+        def moved(error: float, within: list[float] = within) -> list[float]:
+            return [*within[:9], error, *within[10:]]
+
+        errors = {"steps within the decode tolerance": within, "a step past it": moved(tol.decode * 2),
+                  "a step past the routing cap": moved(max(tol.decode, tol.routing_cap) * 3)}  # fmt: skip
+        tie, untied = tol.routing_tie / 2, tol.routing_tie * 4 + 0.4
+        routings = {"dense": None, "a near-tie flip by that step": [RoutingFlip(8, 3, tie)],
+                    "a near-tie flip only after it": [RoutingFlip(11, 3, tie)],
+                    "a clear flip by that step": [RoutingFlip(8, 3, untied)]}  # fmt: skip
+        near = StepEvidence(5, 7, REFERENCE[5], gap=tol.near_tie_gap / 2, rank=1, forced_gap=0.0, forced_rank=0)
+        tokens = {"every token matching": [], "a near tie at step 5": [near]}
+        grid = itertools.product(errors.items(), routings.items(), tokens.items())
+        for (errors_name, step_errors), (routing_name, flips), (tokens_name, steps) in grid:
+            counterfactuals = {"no counterfactual": None, "the counterfactual's step matching": within,
+                               "the counterfactual's step unchanged": step_errors}  # fmt: skip
+            for forced_name, forced in counterfactuals.items():
+                comparison = Comparison(prefill_rel_error=tol.prefill / 2, reference_loglik=-2.0,
+                                        accelerator_loglik=-2.0)  # fmt: skip
+                yield DecideCase(
+                    name=f"decode: {errors_name}, {routing_name}, {tokens_name}, {forced_name}", dtype=dtype,
+                    comparison=comparison.model_dump(exclude_none=True),
+                    divergent_steps=[dataclasses.asdict(step) for step in steps], finite=True, sharded=False,
+                    judge=None, verdict="", first_divergence=None,
+                    routing_flips=None if flips is None else [dataclasses.asdict(flip) for flip in flips],
+                    step_rel_errors=step_errors, forced_step_rel_errors=None if flips is None else forced,
+                )  # fmt: skip
+
+
 def long_cases() -> Iterator[LongCase]:
     tol = LongTolerances()
     n = 4 * tol.window
@@ -248,7 +289,7 @@ def written_now() -> Corpus:
     """The corpus from the grid, each case's outcome as the rule decides it now."""
     tolerances = {dtype: dataclasses.asdict(Tolerances.for_dtype(dtype)) for dtype in DTYPES}
     decided: list[DecideCase] = []
-    for case in itertools.chain(decide_cases(), moe_cases()):
+    for case in itertools.chain(decide_cases(), moe_cases(), decode_cases()):
         verdict, divergence = case.decided(Tolerances(**tolerances[case.dtype]))
         decided.append(case.model_copy(update={"verdict": verdict, "first_divergence": divergence}))
     long: list[LongCase] = []

@@ -213,7 +213,7 @@ def verdict_stage(request: RunRequest, backend: Backend, artifacts: Artifacts) -
     new_reference = None
     if artifacts.stored_reference.exists():
         stored = StoredReference.model_validate_json(artifacts.stored_reference.read_text())
-        found = task.reuse(acc.data, stored.data)
+        found = task.reuse(acc.data, stored.data, artifacts, acc.dtype)
     try:
         if found is None:
             spec = ReferenceSpec(

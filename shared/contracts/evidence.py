@@ -76,9 +76,15 @@ class Evidence:
     # MoE: every position and layer where the routing differs (empty: it never does); None for a dense model, or a
     # run that recorded no routing (then no divergence is excused as a flipped expert)
     routing_flips: Sequence[RoutingFlip] | None = None
+    # each step's logits against the reference's on the same prefix, at the reference's top logits
+    # (services.runner.tasks.text_generation.top_logit_error; step 0 the prefill): None where none were compared, and
+    # then no decode step is checked
+    step_rel_errors: Sequence[float] | None = None
     # MoE whose routing flipped: the accelerator's prefill against the reference re-run with the accelerator's experts
     # forced (the counterfactual); None: no such run, so no prefill error is excused as a flipped expert
     forced_prefill_rel_error: float | None = None
+    # and each step's, as in step_rel_errors
+    forced_step_rel_errors: Sequence[float] | None = None
     # and the accelerator's text's mean log-prob per token under that counterfactual (raw logits, teacher-forced),
     # against the counterfactual's own best pick's at each step of the same prefix
     forced_accelerator_loglik: float | None = None

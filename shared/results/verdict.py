@@ -14,6 +14,10 @@ The rule (``decide``), in order — the numeric rules first, so that no judge ca
    accelerator's experts forced at every position must match the accelerator's prefill within the dtype's
    tolerance. A flip at a clear margin is a fault's; a fault that moves the hidden state flips near ties too, but
    forcing its experts leaves its error in place; no flip, no excuse.
+   Each decode step's logits are held to the same (rule version 7), at the reference's top ``DECODE_TOP`` logits on the
+   accelerator's prefix (teacher-forced, so a divergence does not move them): a fault of the decode alone — a cache
+   position off by one — moves them while the 32 tokens still match. A MoE's step past the tolerance is excused up to
+   the routing cap where the routing flipped at near ties by that step and the counterfactual's step matches.
 3. Every one of the 32 tokens matches → PASS (a sharded run's judge may still find the text not fluent).
 4. The accelerator's text is implausible under the reference: its mean log-prob per token (raw logits,
    teacher-forced) is more than the dtype's slack below the reference's own text's → FAIL. A MoE whose flips the
@@ -44,7 +48,7 @@ from shared.contracts.enums import LongOutcome, Verdict
 from shared.contracts.evidence import Evidence, RoutingFlip, StepEvidence
 from shared.contracts.handoffs import Routing
 from shared.contracts.report import LongGeneration
-from shared.testconfig import LongTolerances, Tolerances
+from shared.testconfig import DECODE_TOP, LongTolerances, Tolerances
 
 
 def flip_margin(chosen: Sequence[int], expected: Sequence[int], logits: dict[int, float]) -> float | None:
@@ -191,6 +195,8 @@ def decide(evidence: Evidence, tol: Tolerances) -> Decision:
             f"the reference made to choose the accelerator's experts differs by {forced_error:.3g}; decided by the "
             "tokens"
         )
+    if (moved := _decode_moved(evidence, tol)) is not None:
+        return fail(moved)
     judge = evidence.judge if evidence.sharded else None
     if divergence is None:
         reason = "all 32 tokens match the reference"
@@ -245,6 +251,30 @@ def decide(evidence: Evidence, tol: Tolerances) -> Decision:
             return fail(f"the {judge.kind} judge finds the sharded output not fluent: {judge.rationale}")
         reason += f"; {judge.kind} judge: {judge.rationale}"
     return Decision(Verdict.PASS, reason + routed, divergence)
+
+
+def _decode_moved(evidence: Evidence, tol: Tolerances) -> str | None:
+    """Why a decode step's logits fail the run (rule 2, version 7), or None: each step past the prefill within
+    ``tol.decode`` of the reference's on the same prefix, or a MoE's step excused by routing that flipped at near ties
+    by then where the counterfactual's step is within it."""
+    forced = evidence.forced_step_rel_errors
+    for step, error in enumerate(evidence.step_rel_errors or ()):
+        if step == 0 or error <= tol.decode:  # step 0 is the prefill, ruled on above
+            continue
+        flips = flipped_at_near_ties(evidence, step, tol)
+        forced_error = forced[step] if forced is not None and step < len(forced) else None
+        differ = (
+            f"step {step}'s logits differ from the reference's on the same prefix by {error:.3g} (relative, at its top "
+            f"{DECODE_TOP}; tolerance {tol.decode:.3g})"
+        )
+        if flips is None or forced_error is None or error > tol.routing_cap:
+            return differ
+        if forced_error > tol.decode:
+            return (
+                f"{differ}, and by {forced_error:.3g} from the reference made to choose the accelerator's experts: the "
+                f"routing that flipped by then ({_flips(flips)}) does not explain it"
+            )
+    return None
 
 
 def repetition(tokens: Sequence[int], n: int) -> float:

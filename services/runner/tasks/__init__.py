@@ -25,7 +25,9 @@ class TaskRunner(Protocol):
         """The CPU reference (in a child process): its outputs, and what it says of the accelerator's."""
         ...
 
-    def reuse(self, acc: AcceleratorData, stored: dict[str, Any]) -> ReferenceResult | None:
+    def reuse(
+        self, acc: AcceleratorData, stored: dict[str, Any], artifacts: Artifacts, dtype: str
+    ) -> ReferenceResult | None:
         """The reference's findings from a stored run alone, or None when the model must run again."""
         ...
 

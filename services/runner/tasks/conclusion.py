@@ -9,7 +9,7 @@ from typing import Any
 from services.runner.specs import ReferenceResult
 from shared.contracts.enums import LongOutcome, Verdict
 from shared.contracts.evidence import Evidence
-from shared.contracts.handoffs import AcceleratorData
+from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, LongGeneration, Performance, RunReport
 from shared.results.verdict import Decision
 
@@ -20,7 +20,9 @@ class ComparesOutputs:
     """A task whose verdict compares the accelerator's output with the reference's alone (embeddings, an image):
     a stored reference's output is all it needs, whatever the accelerator produced."""
 
-    def reuse(self, acc: AcceleratorData, stored: dict[str, Any]) -> ReferenceResult | None:
+    def reuse(
+        self, acc: AcceleratorData, stored: dict[str, Any], artifacts: Artifacts, dtype: str
+    ) -> ReferenceResult | None:
         return ReferenceResult(data=stored, reused=True)
 
 

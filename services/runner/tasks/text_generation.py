@@ -34,7 +34,15 @@ from shared.contracts.evidence import Evidence, StepEvidence
 from shared.contracts.handoffs import AcceleratorData, Artifacts, Routing
 from shared.contracts.report import Comparison, Performance, Resources
 from shared.results.verdict import decide, is_near_tie, long_outcome, routing_flips, routing_roots
-from shared.testconfig import LONG_NEW_TOKENS, NEW_TOKENS, PERF_NEW_TOKENS, PROMPT, LongTolerances, Tolerances
+from shared.testconfig import (
+    DECODE_TOP,
+    LONG_NEW_TOKENS,
+    NEW_TOKENS,
+    PERF_NEW_TOKENS,
+    PROMPT,
+    LongTolerances,
+    Tolerances,
+)
 
 
 def long_new_tokens(config: Any, prompt_length: int) -> int:
@@ -70,6 +78,25 @@ def _generation_kwargs(
     }
 
 
+def top_logits(step: np.ndarray) -> tuple[list[int], list[float]]:
+    """A step's ``DECODE_TOP`` largest logits, largest first, and their token ids: what the decode check compares at,
+    and what a stored reference keeps of each of its steps."""
+    ids = np.argsort(-step, kind="stable")[:DECODE_TOP]
+    return ids.tolist(), step[ids].astype(np.float64).tolist()
+
+
+def top_logit_error(ours: np.ndarray, ids: list[int], logits: list[float]) -> float:
+    """A step's logits against another run's on the same prefix, at that run's top logits (``top_logits``):
+    ``||ours - theirs|| / ||theirs||`` over those ids, as the prefill check measures the whole vector."""
+    theirs = np.asarray(logits, dtype=np.float64)
+    return float(np.linalg.norm(ours[np.asarray(ids)].astype(np.float64) - theirs) / np.linalg.norm(theirs))
+
+
+def step_errors(ours: np.ndarray, tops: list[tuple[list[int], list[float]]]) -> list[float]:
+    """Each of the accelerator's steps (``ours``: steps x vocabulary) against the other run's top logits."""
+    return [top_logit_error(step, *top) for step, top in zip(ours, tops, strict=False)]
+
+
 def _smallest(margins: list[float | None]) -> float | None:
     return min((m for m in margins if m is not None), default=None)
 
@@ -83,6 +110,7 @@ def routing_evidence(found: ReferenceResult) -> dict[str, Any]:
         return {}
     forced = {} if found.forced_prefill_rel_error is None else {
         "forced_prefill_rel_error": found.forced_prefill_rel_error,
+        "forced_step_rel_errors": found.forced_step_rel_errors,
         "forced_accelerator_loglik": found.forced_accelerator_loglik,
         "forced_reference_loglik": found.forced_reference_loglik,
     }  # fmt: skip
@@ -100,6 +128,7 @@ class _Counterfactual:
 
     prefill_logits: np.ndarray
     scores: list[Any]
+    step_tops: list[tuple[list[int], list[float]]]  # each step's top raw logits (``top_logits``)
     accelerator_loglik: float  # the accelerator's tokens' mean log-prob per token (raw logits)
     best_loglik: float  # and its own best pick's at each step on that prefix: what the text is weighed against
 
@@ -141,7 +170,8 @@ def _forced_routing(
     logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
     loglik = sum(step[t].item() for step, t in zip(logprobs, tokens, strict=True)) / NEW_TOKENS
     best = sum(step.max().item() for step in logprobs) / NEW_TOKENS
-    return _Counterfactual(out.logits[0][0].float().numpy(), forced.processed, loglik, best)
+    tops = [top_logits(step[0].float().numpy()) for step in out.logits]
+    return _Counterfactual(out.logits[0][0].float().numpy(), forced.processed, tops, loglik, best)
 
 
 class _ForceTokens:
@@ -220,7 +250,7 @@ class TextGeneration:
         if rank == 0:
             artifacts = Artifacts(spec.artifacts)
             np.save(artifacts.prefill, logits[0].numpy())
-            np.save(artifacts.step_logits, torch.stack(logits).numpy())  # every step's raw logits (calibration)
+            np.save(artifacts.step_logits, torch.stack(logits).numpy())  # every step's raw logits (the decode check)
             # What greedy picked from at each step (after the logits processors), for the verdict stage.
             np.save(artifacts.step_scores, torch.stack([s[0].float().cpu() for s in out.scores]).numpy())
         long_ids, long_finite = None, None
@@ -324,6 +354,11 @@ class TextGeneration:
                 steps.append(StepEvidence(i, token, best, gap, rank, margins[i] if margins else None))
         ref_prefill = out.logits[0][0].float().numpy()
         np.save(artifacts.reference_prefill, ref_prefill)
+        # each step of the accelerator's against this run's on the same prefix, at its top logits; and those of its
+        # own run, which a later run with the same tokens is held to (the same prefix: ``reuse``)
+        accelerator_steps = np.load(artifacts.step_logits)
+        errors = step_errors(accelerator_steps, [top_logits(step[0].float().numpy()) for step in raw_steps])
+        own_tops = [top_logits(step[0].float().numpy()) for step in out.logits[:NEW_TOKENS]]
         # The counterfactual, where the routing flipped and something would need its excuse: the prefill past its
         # tolerance, a divergent step that is no near tie, or implausible text. Its own 32-token generate, announced
         # as its own phase.
@@ -333,17 +368,13 @@ class TextGeneration:
             _relative_error(acc_prefill, ref_prefill) > tol.prefill
             or any(not is_near_tie(step, tol) for step in steps)
             or acc_loglik < reference_loglik - tol.loglik_slack
+            or any(error > tol.decode for error in errors[1:])
         )
         if flips and needed and spec.accelerator.routing is not None:
             with phase(ErrorClass.runtime), clock.time("counterfactual"), torch.inference_mode():
                 counterfactual = _forced_routing(model, inputs, kwargs, acc_tokens, spec.accelerator.routing)
         if counterfactual is not None:
             steps = [counterfactual.scored(step) for step in steps]
-        accelerator_steps = np.load(artifacts.step_logits) if artifacts.step_logits.exists() else None
-        step_errors = None if accelerator_steps is None else [
-            _relative_error(accelerator_steps[i], ref)
-            for i, ref in enumerate(step[0].float().numpy() for step in raw_steps[: len(accelerator_steps)])
-        ]  # fmt: skip
         data = {
             "token_ids": ref_tokens,
             "text": tokenizer.decode(ref_tokens, skip_special_tokens=True),
@@ -351,6 +382,8 @@ class TextGeneration:
             "generate_s": clock.seconds["generate"],
             "peak_rss_bytes": peak_rss_bytes(),
             "routing_margin": _smallest(smallest[:prompt_length]) if smallest else None,  # the prompt's: the same
+            "step_top_ids": [ids for ids, _ in own_tops],
+            "step_top_logits": [logits for _, logits in own_tops],
         }
         if own_routing is not None:
             data["routing"] = own_routing.model_dump()
@@ -364,28 +397,37 @@ class TextGeneration:
             divergent_steps=steps,
             accelerator_loglik=acc_loglik,
             processor_reordered_steps=reordered,
-            step_rel_errors=step_errors,
+            step_rel_errors=errors,
             long_logprobs=long_logprobs,
             routing_flips=flips,
             forced_prefill_rel_error=None
             if counterfactual is None
             else _relative_error(acc_prefill, counterfactual.prefill_logits),
+            forced_step_rel_errors=None
+            if counterfactual is None
+            else step_errors(accelerator_steps, counterfactual.step_tops),
             forced_accelerator_loglik=None if counterfactual is None else counterfactual.accelerator_loglik,
             forced_reference_loglik=None if counterfactual is None else counterfactual.best_loglik,
         )
 
-    def reuse(self, acc: AcceleratorData, stored: dict[str, Any]) -> ReferenceResult | None:
+    def reuse(
+        self, acc: AcceleratorData, stored: dict[str, Any], artifacts: Artifacts, dtype: str
+    ) -> ReferenceResult | None:
         """The reference's findings from a stored run, without running the model; None when that is not enough.
 
         When the accelerator produced exactly the reference's tokens, scoring them teacher-forced under the
         reference gives the reference's own log-probs: the stored ones. So for the long generation: the same long
-        tokens get the stored long log-probs, and the check decides as a fresh reference would. A divergence (of
-        either), a stored run without what this one needs (its long generation, a MoE's routing: a reference
-        stored with the tiers off, or by an older runner), or a MoE whose routing flipped in the prompt (only the
-        counterfactual can excuse what that moved), needs the model.
+        tokens get the stored long log-probs, and the check decides as a fresh reference would; and each decode step is
+        held to the stored run's top logits (the same prefix), as a fresh reference holds it to its own. A divergence
+        (of either), a stored run without what this one needs (its long generation, its steps' top logits, a MoE's
+        routing: a reference stored with the tiers off, or by an older runner), or a MoE whose routing flipped in the
+        prompt or whose step is past the decode tolerance (only the counterfactual can excuse what that moved), needs
+        the model.
         """
-        if acc.token_ids != stored["token_ids"]:
+        if acc.token_ids != stored["token_ids"] or "step_top_ids" not in stored:
             return None
+        tops = list(zip(stored["step_top_ids"], stored["step_top_logits"], strict=True))
+        errors = step_errors(np.load(artifacts.step_logits), tops)
         long_logprobs = None
         if acc.long_token_ids is not None:
             if acc.long_token_ids != stored.get("long_token_ids"):
@@ -399,10 +441,13 @@ class TextGeneration:
             flips = routing_flips(acc.routing, stored_routing)
             if flips and any(flip.step <= 0 for flip in flips):  # the prefill may need the counterfactual's excuse
                 return None
+            if flips and any(error > Tolerances.for_dtype(dtype).decode for error in errors[1:]):  # and so may a step
+                return None
         return ReferenceResult(
             data=stored,
             accelerator_loglik=stored["reference_loglik"],
             reused=True,
+            step_rel_errors=errors,
             long_logprobs=long_logprobs,
             routing_flips=flips,
         )
@@ -432,7 +477,8 @@ class TextGeneration:
                 "prompt_sha256": hashlib.sha256(PROMPT.encode()).hexdigest(),
                 "reference_generate_s": ref["generate_s"],
                 "reference_peak_rss_bytes": ref["peak_rss_bytes"],
-                # each step's raw logits against the reference's on the same prefix (none from a stored reference)
+                # each step's raw logits against the reference's on the same prefix, at its top logits (a stored
+                # reference's own: the same prefix)
                 "step_rel_errors": found.step_rel_errors,
                 # MoE: how many (position, layer) choices the routing flipped, and where it first parted from the
                 # reference's (the flips no earlier one explains; what an excused divergence rests on); the
@@ -447,7 +493,9 @@ class TextGeneration:
             finite=acc.finite,
             sharded=sharded,
             routing_flips=found.routing_flips,
+            step_rel_errors=found.step_rel_errors,
             forced_prefill_rel_error=found.forced_prefill_rel_error,
+            forced_step_rel_errors=found.forced_step_rel_errors,
             forced_accelerator_loglik=found.forced_accelerator_loglik,
             forced_reference_loglik=found.forced_reference_loglik,
         )
