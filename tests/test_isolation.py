@@ -32,6 +32,7 @@ from typing import Any
 import psutil
 import pytest
 import sqlalchemy as sa
+import yaml
 from sqlalchemy.orm import Session
 
 from services.worker.supervise import Prefetched, crashed, keeps_work_directory, prefetch, read_report, supervise
@@ -52,7 +53,7 @@ from shared.settings import Settings
 from shared.zygote_client import zygote_address
 from testing.redis_server import RedisServer
 from testing.tiny_models import CUSTOM_MODELING_CODE
-from tests.conftest import HUB_TOKEN, RUN_DIR
+from tests.conftest import HUB_TOKEN, ROOT, RUN_DIR
 from tests.test_faults import LOGS, Proc, stop_all, worker_argv
 
 ORG = "iso"
@@ -93,6 +94,7 @@ def _supportmatrix_probe():
     found["work"] = {{"uid": work.st_uid, "mode": work.st_mode & 0o777}}
     found["tempfile"] = _tempfile.gettempdir()
     found["no_new_privs"] = _pathlib.Path("/proc/self/status").read_text().split("NoNewPrivs:")[1].split()[0]
+    found["capability_bound"] = _pathlib.Path("/proc/self/status").read_text().split("CapBnd:")[1].split()[0]
     hub_home = _pathlib.Path(_os.environ.get("HF_HOME", "~/.cache/huggingface")).expanduser()
     home_login = _pathlib.Path("~/.cache/huggingface/token").expanduser()
     token_path = _pathlib.Path(_os.environ.get("HF_TOKEN_PATH", "/nonexistent"))
@@ -218,6 +220,28 @@ class Isolated:
         return pids
 
 
+def trn2_launcher_capabilities() -> list[str]:
+    """The capabilities the trn2 launcher's container adds to none (deploy/kubernetes/components/trn2/launcher.yaml)."""
+    [patch] = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "components" / "trn2" / "launcher.yaml").read_text())
+    [box] = patch["spec"]["template"]["spec"]["containers"]
+    capabilities = box["securityContext"]["capabilities"]
+    assert capabilities["drop"] == ["ALL"] and box["securityContext"]["allowPrivilegeEscalation"] is False
+    return capabilities["add"]
+
+
+def as_the_trn2_pod_runs_it(argv: list[str]) -> list[str]:
+    """``argv`` with only the trn2 launcher's capabilities in its bounding set (so in what root holds at its exec) and
+    no_new_privs, as the container runtime starts the pod's process (setpriv, util-linux)."""
+    keep = ",".join(f"+{name.lower()}" for name in trn2_launcher_capabilities())
+    return ["setpriv", "--no-new-privs", "--bounding-set", f"-all,{keep}", "--", *argv]
+
+
+def capability_mask(names: list[str]) -> int:
+    """/proc/<pid>/status's CapBnd of exactly these capabilities (linux/capability.h's numbers)."""
+    numbers = {"CHOWN": 0, "DAC_OVERRIDE": 1, "FOWNER": 3, "KILL": 5, "SETGID": 6, "SETUID": 7, "IPC_LOCK": 14}
+    return sum(1 << numbers[name] for name in names)
+
+
 @pytest.fixture(scope="module")
 def isolated(hub: Any, tiny_models: Path) -> Iterator[Isolated]:
     root = RUN_DIR / "isolated"
@@ -272,13 +296,15 @@ def isolated(hub: Any, tiny_models: Path) -> Iterator[Isolated]:
     }
     # The accelerator worker's runners fork from a zygote, started as the host launcher starts it (root, the
     # runners' environment); the verdict worker's start as fresh interpreters: both ways of taking a user.
+    # Every one of them as the trn2 pod runs its launcher: root with the capabilities the manifest adds and no other,
+    # and no_new_privs (allowPrivilegeEscalation: false); the tests below pass only if that is all stages take.
     zygote_argv = [sys.executable, "-c", ZYGOTE_AS_THE_LAUNCHER_STARTS_IT, zygote_address(data, "isolated")]
-    zygote = Proc("iso-zygote", zygote_argv, env)
+    zygote = Proc("iso-zygote", as_the_trn2_pod_runs_it(zygote_argv), env)
     zygote.wait_logged("ready in")
     workers = [
         zygote,
-        Proc("iso-acc", worker_argv("iso-acc", "0"), env),
-        Proc("iso-v", worker_argv("iso-v", None), env | {"SUPPORTMATRIX_ZYGOTE": "false"}),
+        Proc("iso-acc", as_the_trn2_pod_runs_it(worker_argv("iso-acc", "0")), env),
+        Proc("iso-v", as_the_trn2_pod_runs_it(worker_argv("iso-v", None)), env | {"SUPPORTMATRIX_ZYGOTE": "false"}),
     ]
     try:
 
@@ -339,6 +365,8 @@ def test_repo_code_runs_as_the_sandbox_user_reaches_no_secret_and_poisons_no_lat
     for probe in probes:
         assert probe["uid"] == sandbox_uid
         assert probe["no_new_privs"] == "1"  # no setuid binary or file capability gives it more than its uid
+        # its launcher's capabilities bound it: the trn2 manifest's, under which every stage ran
+        assert int(probe["capability_bound"], 16) == capability_mask(trn2_launcher_capabilities())
         secrets = {"SUPPORTMATRIX_DATABASE_URL", "SUPPORTMATRIX_REDIS_URL", "SUPPORTMATRIX_COMPILE_CACHE_TOKEN",
                    "HF_TOKEN", "SUPPORTMATRIX_PUBLISH_TOKEN", "SUPPORTMATRIX_JUDGE_TOKEN"}  # fmt: skip
         assert not secrets & set(probe["environment"])

@@ -57,6 +57,9 @@ SECRET = "supportmatrix-secrets"
 HOST_CORES = 64  # a trn2.48xlarge at LNC=2
 GRACE_PERIOD_S = 3600  # the trn2 launcher's terminationGracePeriodSeconds (docs/kubernetes.md)
 WORKLOADS = ("Deployment", "DaemonSet", "Job")
+# The trn2 launcher's capabilities (components/trn2/launcher.yaml): what running stages as runner users takes, and the
+# Neuron runtime's IPC_LOCK. tests/test_isolation.py runs the launcher's processes with exactly these.
+LAUNCHER_CAPABILITIES = ["CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETGID", "SETUID", "IPC_LOCK"]
 
 # --- rendering -----------------------------------------------------------------------------------------------------
 
@@ -445,7 +448,7 @@ def test_the_trn2_launcher_takes_a_whole_node_and_has_time_to_drain(overlay: str
     assert spec["shareProcessNamespace"] is True  # PID 1 reaps orphans, as compose's init: true
     assert box["readinessProbe"]["exec"]["command"] == ["python", "deploy/healthcheck.py", "host"]
     assert host["spec"]["template"]["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
-    namespace = one(overlay, "Namespace", "supportmatrix")
+    namespace = one(overlay, "Namespace", LAUNCHER_NAMESPACE)  # its own: the service's stays restricted
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
 
 
@@ -545,8 +548,149 @@ def test_the_dev_overlay_runs_the_cpu_backend_on_any_node_without_privileges() -
     assert "aws.amazon.com/neuroncore" not in box["resources"].get("requests", {})
     assert pod_spec(host)["securityContext"]["runAsNonRoot"] is True
     assert pod_spec(host)["terminationGracePeriodSeconds"] == 600 > GRACE_S  # a small model's two stages on CPUs
-    namespace = one("cpu-dev", "Namespace", "supportmatrix")
+    namespace = one("cpu-dev", "Namespace", LAUNCHER_NAMESPACE)
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+
+
+# --- least privilege ---------------------------------------------------------------------------------------------
+
+SERVICE_NAMESPACE, LAUNCHER_NAMESPACE = "supportmatrix", "supportmatrix-launchers"
+# What a stage may reach from a pod (base/network/policies): DNS, PostgreSQL, Redis and HTTPS, never link-local
+EGRESS_PORTS = {("UDP", 53), ("TCP", 53), ("TCP", 5432), ("TCP", 6379), ("TCP", 443)}
+CHECKOV = (
+    ROOT / ".venv" / "tools" / "checkov" / "bin" / "checkov"
+)  # scripts/setup.sh, deploy/kubernetes/policy-check.txt
+
+
+def restricted_violations(spec: dict[str, Any]) -> list[str]:
+    """What in a pod's spec the Pod Security Standards' "restricted" profile refuses (kubernetes.io/docs/concepts/
+    security/pod-security-standards): its baseline controls and the restricted ones, as the admission controller
+    reads the fields."""
+    pod = spec.get("securityContext", {})
+    found = [f"pod {field}" for field in ("hostNetwork", "hostPID", "hostIPC") if spec.get(field)]
+    found += [f"volume {v['name']} is a hostPath" for v in spec.get("volumes", []) if "hostPath" in v]
+    if pod.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        found.append("no RuntimeDefault seccomp profile on the pod")
+    for box in spec["containers"] + spec.get("initContainers", []):
+        context, name = box.get("securityContext", {}), box["name"]
+        if context.get("privileged"):
+            found.append(f"{name} is privileged")
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name} may escalate privileges")
+        if not (
+            context.get("runAsNonRoot", pod.get("runAsNonRoot")) and context.get("runAsUser", pod.get("runAsUser", 1))
+        ):
+            found.append(f"{name} may run as root")
+        capabilities = context.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []) or set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name} keeps capabilities: drop {capabilities.get('drop')}, add {capabilities.get('add')}")
+        if any(port.get("hostPort") for port in box.get("ports", [])):
+            found.append(f"{name} takes a host port")
+    return found
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_but_the_trn2_launcher_meets_the_restricted_pod_security_standard_and_mounts_no_token(
+    overlay: str,
+) -> None:
+    """The namespace of the API, the control worker, beat and the migrations enforces "restricted" in every overlay,
+    and each of their pods meets it (the admission controller's fields, read here); the launchers have a namespace of
+    their own, relaxed to "privileged" only where the trn2 launcher needs it (root to take the runner users,
+    IPC_LOCK, hostPath volumes), and the cpu-dev launcher meets "restricted" too. No pod mounts a ServiceAccount token:
+    none talks to the Kubernetes API, and a repo's code in the launcher would read it."""
+    namespaces = {
+        doc["metadata"]["name"]: doc["metadata"]["labels"] for doc in rendered(overlay) if doc["kind"] == "Namespace"
+    }
+    level = {name: labels["pod-security.kubernetes.io/enforce"] for name, labels in namespaces.items()}
+    trn2 = overlay.startswith("trn2")
+    assert level == {SERVICE_NAMESPACE: "restricted", LAUNCHER_NAMESPACE: "privileged" if trn2 else "restricted"}
+    for workload in workloads(overlay):
+        where = f"{overlay}: {workload['kind']}/{workload['metadata']['name']}"
+        spec = pod_spec(workload)
+        assert spec.get("automountServiceAccountToken") is False, where
+        expected = LAUNCHER_NAMESPACE if component(workload) == "host-launcher" else SERVICE_NAMESPACE
+        assert workload["metadata"]["namespace"] == expected, where
+        if level[expected] == "restricted":
+            assert restricted_violations(spec) == [], where
+    if trn2:  # what the trn2 launcher cannot drop, it names, and nothing more
+        box = container(launcher(overlay))
+        assert box["securityContext"]["allowPrivilegeEscalation"] is False
+        assert box["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": LAUNCHER_CAPABILITIES}
+        assert pod_spec(launcher(overlay))["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert sorted(restricted_violations(pod_spec(launcher(overlay)))) == sorted(
+            ["launcher may run as root", f"launcher keeps capabilities: drop ['ALL'], add {LAUNCHER_CAPABILITIES}",
+             *(f"volume {v} is a hostPath" for v in ("data", "cache", "hf"))]
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_pod_reaches_only_dns_the_database_redis_and_https_never_the_instance_metadata(overlay: str) -> None:
+    """Both namespaces deny every connection by default; their pods may open DNS (kube-dns), PostgreSQL, Redis and
+    HTTPS (the Hub, the judge, S3), to any address outside the link-local range (the node's IMDS at 169.254.169.254,
+    the EKS Pod Identity agent); only the API takes connections, on its port."""
+    policies = [doc for doc in rendered(overlay) if doc["kind"] == "NetworkPolicy"]
+    for namespace in (SERVICE_NAMESPACE, LAUNCHER_NAMESPACE):
+        here = [p["spec"] for p in policies if p["metadata"]["namespace"] == namespace]
+        assert {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]} in here, namespace  # deny by default
+        allowed = set()
+        for rule in (rule for spec in here for rule in spec.get("egress", [])):
+            ports = {(port["protocol"], port["port"]) for port in rule["ports"]}  # never a rule of every port
+            for peer in rule["to"]:
+                if "ipBlock" in peer:
+                    assert peer["ipBlock"] == {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}
+                else:
+                    assert peer["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}} and ports <= {
+                        ("UDP", 53),
+                        ("TCP", 53),
+                    }
+            allowed |= ports
+        assert allowed == EGRESS_PORTS, namespace
+        ingress = [spec for spec in here if spec.get("ingress")]
+        expected = [{"app.kubernetes.io/name": "supportmatrix", "app.kubernetes.io/component": "api"}]
+        assert [spec["podSelector"]["matchLabels"] for spec in ingress] == (
+            expected if namespace == SERVICE_NAMESPACE else []
+        )
+        assert all(rule["ports"] == [{"protocol": "TCP", "port": 8000}] for spec in ingress for rule in spec["ingress"])
+
+
+def checkov(documents: tuple[dict[str, Any], ...], path: Path) -> dict[str, Any]:
+    """The pinned policy checker over rendered manifests, with the repo's configuration: its JSON report."""
+    if not CHECKOV.exists():
+        pytest.fail(f"{CHECKOV} is not installed: `bash scripts/setup.sh` installs deploy/kubernetes/policy-check.txt")
+    path.write_text(yaml.safe_dump_all(documents))
+    out = subprocess.run([str(CHECKOV), "--config-file", str(KUBE / "checkov.yaml"), "-f", str(path), "-o", "json"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    report = json.loads(out.stdout)
+    return report[0] if isinstance(report, list) else report
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_rendered_manifests_pass_the_pinned_policy_check(overlay: str, tmp_path: Path) -> None:
+    """checkov, pinned (deploy/kubernetes/policy-check.txt), every Kubernetes check over the rendered overlay: none
+    fails. What it skips is in deploy/kubernetes/checkov.yaml for the whole service, or annotated on one workload
+    with its reason. The trn2 overlay is run once more without one hardening of each kind — a pod that mounts its
+    token, a launcher that may escalate privileges, a namespace without network policies — and the check fails each:
+    it reads what the manifests say."""
+    pinned = (KUBE / "policy-check.txt").read_text().split("checkov==")[1].split()[0]
+    report = checkov(rendered(overlay), tmp_path / "rendered.yaml")
+    summary, results = report["summary"], report["results"]
+    assert summary["checkov_version"] == pinned and summary["parsing_errors"] == 0 and summary["resource_count"] > 20
+    assert [(c["check_id"], c["resource"]) for c in results["failed_checks"]] == []
+    skipped = results.get("skipped_checks", [])
+    assert all(check["check_result"].get("suppress_comment") for check in skipped), skipped
+    if overlay != "trn2":
+        return
+    weakened = []
+    for doc in rendered(overlay):
+        doc = json.loads(json.dumps(doc))
+        if doc["kind"] in WORKLOADS:
+            del pod_spec(doc)["automountServiceAccountToken"]
+            if component(doc) == "host-launcher":
+                del container(doc)["securityContext"]["allowPrivilegeEscalation"]
+        if doc["kind"] != "NetworkPolicy":
+            weakened.append(doc)
+    failed = {c["check_id"] for c in checkov(tuple(weakened), tmp_path / "weakened.yaml")["results"]["failed_checks"]}
+    assert {"CKV_K8S_38", "CKV_K8S_20", "CKV2_K8S_6"} <= failed, failed
 
 
 def busy_hosts(stack: Stack, backend: str = "cpu") -> int:

@@ -119,11 +119,15 @@ DESCRIBED = RUN_DIR / "planning-described"
 
 
 def rendered_with(overlay: str, tmp_path: Path, config: dict[str, str]) -> list[dict[str, Any]]:
-    """``overlay`` rendered as an operator's overlay of it renders: ``config`` merged into its ConfigMap."""
+    """``overlay`` rendered as an operator's overlay of it renders: ``config`` merged into its ConfigMap, in both
+    namespaces (docs/kubernetes.md, step 2)."""
     mine = tmp_path / "overlay"
     mine.mkdir()
     literals = "".join(f"      - {json.dumps(f'{name}={value}')}\n" for name, value in config.items())
-    merged = "configMapGenerator:\n  - name: supportmatrix-config\n    behavior: merge\n    literals:\n" + literals
+    merged = "configMapGenerator:\n" + "".join(
+        f"  - name: supportmatrix-config\n    namespace: {namespace}\n    behavior: merge\n    literals:\n{literals}"
+        for namespace in ("supportmatrix", "supportmatrix-launchers")
+    )
     (mine / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n"
         f"  - {os.path.relpath(KUBE / 'overlays' / overlay, mine)}\n" + (merged if config else "")
@@ -138,10 +142,12 @@ def pod_environment(docs: list[dict[str, Any]], component: str) -> dict[str, str
     ConfigMap's, then its container's own values."""
     [workload] = [d for d in docs if d["kind"] in WORKLOADS and component_of(d) == component]
     [box] = pod_spec(workload)["containers"]
-    maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    maps = {
+        (d["metadata"]["namespace"], d["metadata"]["name"]): d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"
+    }
     found: dict[str, str] = {}
-    for source in box.get("envFrom", []):
-        found |= maps.get(source.get("configMapRef", {}).get("name"), {})
+    for source in box.get("envFrom", []):  # its namespace's: a pod reads no other
+        found |= maps.get((workload["metadata"]["namespace"], source.get("configMapRef", {}).get("name")), {})
     found |= {e["name"]: e["value"] for e in box.get("env", []) if "value" in e}
     return {name: value for name, value in found.items() if name.startswith("SUPPORTMATRIX_")}
 
