@@ -311,6 +311,7 @@ def _fill(run: Run, report: RunReport) -> None:
         reason = report.verdict_reason or ""
         excused = "prompt" if "routing flipped in the prompt" in reason else None
         excused = "step" if "after the routing flipped" in reason else excused
+        excused = excused or ("decode" if "decode step(s) differ past the tolerance" in reason else None)
         run.extra |= {"flips": evidence["routing_flips"], "roots": evidence["routing_roots"],
                      "reused": comparison.reference_reused, "excused": excused,
                      "forced_prefill": evidence.get("forced_prefill_rel_error"),

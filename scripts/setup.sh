@@ -28,6 +28,7 @@ if [ ! -x .venv/tools/checkov/bin/checkov ]; then
     python3 -m venv .venv/tools/checkov
     .venv/tools/checkov/bin/pip install -q --disable-pip-version-check -r deploy/kubernetes/policy-check.txt 2>&1 | grep -v "is ignored: it is neither" || true
 fi
+.venv/tools/checkov/bin/checkov --version >/dev/null  # an install that failed above fails here
 # The user transformers' code runs as when the worker is root (shared/isolation.py); a repo's own code runs as a
 # uid of its job's own, which no account holds (SUPPORTMATRIX_SANDBOX_UIDS).
 if [ "$(id -u)" = 0 ]; then

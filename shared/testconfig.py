@@ -165,7 +165,7 @@ def test_config(task: str) -> dict[str, object]:
             "perf_new_tokens": PERF_NEW_TOKENS,
         }
         return {"prompt": PROMPT, "new_tokens": NEW_TOKENS, "rule": VERDICT_RULE_VERSION, "tolerances": tolerances,
-                **tiers}  # fmt: skip
+                "decode_top": DECODE_TOP, **tiers}  # fmt: skip
     if task == Task.feature_extraction.value:
         similarity = {dtype: similarity_threshold(dtype) for dtype in DTYPES}
         pooling = "the repo's sentence-transformers modules, else mean over the mask, normalized"

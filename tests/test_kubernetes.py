@@ -625,9 +625,10 @@ def test_every_pod_but_the_trn2_launcher_meets_the_restricted_pod_security_stand
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_a_pod_reaches_only_dns_the_database_redis_and_https_never_the_instance_metadata(overlay: str) -> None:
-    """Both namespaces deny every connection by default; their pods may open DNS (kube-dns), PostgreSQL, Redis and
-    HTTPS (the Hub, the judge, S3), to any address outside the link-local range (the node's IMDS at 169.254.169.254,
-    the EKS Pod Identity agent); only the API takes connections, on its port."""
+    """Both namespaces deny every connection by default; their pods may open DNS (kube-dns, NodeLocal DNSCache's one
+    link-local address), PostgreSQL, Redis and HTTPS (the Hub, the judge, S3), to any address outside the link-local
+    range (the node's IMDS at 169.254.169.254, the EKS Pod Identity agent); only the API takes connections, on its
+    port."""
     policies = [doc for doc in rendered(overlay) if doc["kind"] == "NetworkPolicy"]
     for namespace in (SERVICE_NAMESPACE, LAUNCHER_NAMESPACE):
         here = [p["spec"] for p in policies if p["metadata"]["namespace"] == namespace]
@@ -636,13 +637,14 @@ def test_a_pod_reaches_only_dns_the_database_redis_and_https_never_the_instance_
         for rule in (rule for spec in here for rule in spec.get("egress", [])):
             ports = {(port["protocol"], port["port"]) for port in rule["ports"]}  # never a rule of every port
             for peer in rule["to"]:
-                if "ipBlock" in peer:
+                dns = ports <= {("UDP", 53), ("TCP", 53)}
+                if peer.get("ipBlock", {}).get("cidr") == "169.254.20.10/32":  # NodeLocal DNSCache: DNS only
+                    assert dns and peer == {"ipBlock": {"cidr": "169.254.20.10/32"}}
+                elif "ipBlock" in peer:
                     assert peer["ipBlock"] == {"cidr": "0.0.0.0/0", "except": ["169.254.0.0/16"]}
                 else:
-                    assert peer["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}} and ports <= {
-                        ("UDP", 53),
-                        ("TCP", 53),
-                    }
+                    assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}
+                    assert peer["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}} and dns
             allowed |= ports
         assert allowed == EGRESS_PORTS, namespace
         ingress = [spec for spec in here if spec.get("ingress")]

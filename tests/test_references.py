@@ -148,6 +148,11 @@ def test_a_stored_reference_holds_each_decode_step_to_its_own_top_logits_as_a_fr
     np.save(artifacts.reference_prefill, steps[0])
     conclusion = TextGeneration().conclude(acc, found, artifacts, "bfloat16")
     assert conclusion.verdict.value == "FAIL" and "step 12's logits differ" in conclusion.reason, conclusion.reason
+    steps[20] = np.nan  # non-finite logits (rule 1's): no error to compare, and the result still crosses as JSON
+    np.save(artifacts.step_logits, steps)
+    nan = TextGeneration().reuse(acc, stored, artifacts, "bfloat16")
+    assert nan is not None and nan.step_rel_errors is not None and nan.step_rel_errors[20] is None
+    assert type(nan).model_validate_json(nan.model_dump_json()).step_rel_errors == nan.step_rel_errors
     older = {k: v for k, v in stored.items() if not k.startswith("step_top")}
     assert TextGeneration().reuse(acc, older, artifacts, "bfloat16") is None
     routing = {"experts": [[[0, 1]]] * 13, "prompt_positions": 1, "top_logits": [[[2.0, 1.0, 0.99, 0.1]]] * 13,

@@ -252,7 +252,12 @@ def test_a_decode_step_whose_logits_moved_fails_with_matching_tokens_and_a_moes_
     moe = evidence(
         TOKENS, TOKENS, step_rel_errors=moved, routing_flips=[flip(9, 4, 0.1)], forced_step_rel_errors=forced
     )
-    assert decide(moe, BF16).verdict == Verdict.PASS, decide(moe, BF16).reason
+    excused = decide(moe, BF16)
+    assert excused.verdict == Verdict.PASS and "1 decode step(s) differ past the tolerance" in excused.reason
+    assert "step 9 by 0.07" in excused.reason and "matches each (step 9 by 0.01)" in excused.reason, excused.reason
+    # a step whose logits were not finite compares nothing here: rule 1 fails the run
+    assert decide(evidence(TOKENS, TOKENS, step_rel_errors=[0.0, None, *steady[2:]]), BF16).verdict == Verdict.PASS
+    assert decide(evidence(TOKENS, TOKENS, finite=False, step_rel_errors=[0.0, None]), BF16).verdict == Verdict.FAIL
     unexplained = replace(moe, forced_step_rel_errors=[*forced[:9], 0.06, *forced[10:]])
     assert "does not explain it" in decide(unexplained, BF16).reason
     for without in (

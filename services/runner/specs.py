@@ -75,12 +75,12 @@ class ReferenceResult(BaseModel):
     processor_reordered_steps: list[int] = []  # where the logits processors changed greedy's pick
     reused: bool = False  # from a stored reference: the model did not run again
     # each step's raw logits against the accelerator's, relative, at the reference's top logits (step 0 the prefill)
-    step_rel_errors: list[float] | None = None
+    step_rel_errors: list[float | None] | None = None  # None at a step: not finite, nothing compared
     long_logprobs: list[float] | None = None  # the accelerator's long tokens' log-probs under the reference
     routing_flips: list[RoutingFlip] | None = None  # MoE: where the accelerator's routing differs (None: not recorded)
     # MoE whose routing flipped: the accelerator's prefill against the reference made to choose its experts
     forced_prefill_rel_error: float | None = None
-    forced_step_rel_errors: list[float] | None = None  # and each step's (as step_rel_errors)
+    forced_step_rel_errors: list[float | None] | None = None  # and each step's (as step_rel_errors)
     forced_accelerator_loglik: float | None = None  # and the accelerator's text's likelihood under that reference
     forced_reference_loglik: float | None = None  # and that reference's best picks' on the same prefix
 

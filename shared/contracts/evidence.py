@@ -78,13 +78,13 @@ class Evidence:
     routing_flips: Sequence[RoutingFlip] | None = None
     # each step's logits against the reference's on the same prefix, at the reference's top logits
     # (services.runner.tasks.text_generation.top_logit_error; step 0 the prefill): None where none were compared, and
-    # then no decode step is checked
-    step_rel_errors: Sequence[float] | None = None
+    # then no decode step is checked; None at a step: its logits were not finite (rule 1's)
+    step_rel_errors: Sequence[float | None] | None = None
     # MoE whose routing flipped: the accelerator's prefill against the reference re-run with the accelerator's experts
     # forced (the counterfactual); None: no such run, so no prefill error is excused as a flipped expert
     forced_prefill_rel_error: float | None = None
     # and each step's, as in step_rel_errors
-    forced_step_rel_errors: Sequence[float] | None = None
+    forced_step_rel_errors: Sequence[float | None] | None = None
     # and the accelerator's text's mean log-prob per token under that counterfactual (raw logits, teacher-forced),
     # against the counterfactual's own best pick's at each step of the same prefix
     forced_accelerator_loglik: float | None = None

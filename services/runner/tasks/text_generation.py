@@ -85,14 +85,16 @@ def top_logits(step: np.ndarray) -> tuple[list[int], list[float]]:
     return ids.tolist(), step[ids].astype(np.float64).tolist()
 
 
-def top_logit_error(ours: np.ndarray, ids: list[int], logits: list[float]) -> float:
+def top_logit_error(ours: np.ndarray, ids: list[int], logits: list[float]) -> float | None:
     """A step's logits against another run's on the same prefix, at that run's top logits (``top_logits``):
-    ``||ours - theirs|| / ||theirs||`` over those ids, as the prefill check measures the whole vector."""
+    ``||ours - theirs|| / ||theirs||`` over those ids, as the prefill check measures the whole vector. None where
+    either is not finite: nothing to compare (rule 1 fails the run on non-finite logits; JSON has no NaN)."""
     theirs = np.asarray(logits, dtype=np.float64)
-    return float(np.linalg.norm(ours[np.asarray(ids)].astype(np.float64) - theirs) / np.linalg.norm(theirs))
+    error = float(np.linalg.norm(ours[np.asarray(ids)].astype(np.float64) - theirs) / np.linalg.norm(theirs))
+    return error if math.isfinite(error) else None
 
 
-def step_errors(ours: np.ndarray, tops: list[tuple[list[int], list[float]]]) -> list[float]:
+def step_errors(ours: np.ndarray, tops: list[tuple[list[int], list[float]]]) -> list[float | None]:
     """Each of the accelerator's steps (``ours``: steps x vocabulary) against the other run's top logits."""
     return [top_logit_error(step, *top) for step, top in zip(ours, tops, strict=False)]
 
@@ -357,7 +359,8 @@ class TextGeneration:
         # each step of the accelerator's against this run's on the same prefix, at its top logits; and those of its
         # own run, which a later run with the same tokens is held to (the same prefix: ``reuse``)
         accelerator_steps = np.load(artifacts.step_logits)
-        errors = step_errors(accelerator_steps, [top_logits(step[0].float().numpy()) for step in raw_steps])
+        scored_tops = [top_logits(step[0].float().numpy()) for step in raw_steps[:NEW_TOKENS]]
+        errors = step_errors(accelerator_steps, scored_tops)
         own_tops = [top_logits(step[0].float().numpy()) for step in out.logits[:NEW_TOKENS]]
         # The counterfactual, where the routing flipped and something would need its excuse: the prefill past its
         # tolerance, a divergent step that is no near tie, or implausible text. Its own 32-token generate, announced
@@ -368,7 +371,7 @@ class TextGeneration:
             _relative_error(acc_prefill, ref_prefill) > tol.prefill
             or any(not is_near_tie(step, tol) for step in steps)
             or acc_loglik < reference_loglik - tol.loglik_slack
-            or any(error > tol.decode for error in errors[1:])
+            or any(error is not None and error > tol.decode for error in errors[1:])
         )
         if flips and needed and spec.accelerator.routing is not None:
             with phase(ErrorClass.runtime), clock.time("counterfactual"), torch.inference_mode():
@@ -441,7 +444,8 @@ class TextGeneration:
             flips = routing_flips(acc.routing, stored_routing)
             if flips and any(flip.step <= 0 for flip in flips):  # the prefill may need the counterfactual's excuse
                 return None
-            if flips and any(error > Tolerances.for_dtype(dtype).decode for error in errors[1:]):  # and so may a step
+            decode = Tolerances.for_dtype(dtype).decode
+            if flips and any(error is not None and error > decode for error in errors[1:]):  # and so may a step
                 return None
         return ReferenceResult(
             data=stored,
