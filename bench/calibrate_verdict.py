@@ -1043,7 +1043,8 @@ def decode_what_if(done: list[Run], moe_archs: set[str], tol: Any) -> list[str]:
         "",
         "What if: every run re-decided under another decode tolerance (each decode step's logits against the "
         "reference's on the same prefix, at its top 64 logits; rule version 7), the routing rule as the code has it; "
-        '"none" is version 6, no decode check:',
+        '"none" is version 6, no decode check. Below the code\'s tolerance, a MoE run whose counterfactual did not run '
+        "(nothing needed it at the code's) cannot have a step excused, so those benign counts are upper bounds:",
         "",
         "| decode tolerance | " + " | ".join(label for label, _, _ in columns) + " |",
         "|---:|" + "---:|" * len(columns),
