@@ -82,10 +82,14 @@ class Tolerances:
         # - near-tie gap 0.3 nats: dense benign gaps reach 0.094; 0.2 would catch two more off-by-one cache
         #   positions on these tiny models (logits of 1-4), but a real model's logits of 30-60 round in bf16
         #   steps of 0.125-0.25 nats, so 0.3 stays until trn2 rows say otherwise.
-        # - top-5 and 0.3 nats of likelihood slack: benign runs reach rank 1 and a 0.141 drop.
+        # - top-5 and 0.3 nats of likelihood slack: benign runs reach rank 1 and a 0.141 drop; one benign run of the
+        #   24-layer dense fixture (dense-llama-24x32, the MoE calibration) dropped 0.326 and FAILs: open, issue 30.
+        # - decode 0.04 (rule version 7: each decode step's top logits on the accelerator's prefix): benign dense runs
+        #   reach 0.020, benign MoE runs a median 0.037 (their flips excuse the rest: the counterfactual's <= 0.023);
+        #   an off-by-one decode position moves a median 0.15. At 0.03, 14 of 250 benign MoE runs would fail.
         # - routing (*Verdict calibration: MoE at a real router shape*: 250 benign runs at 24 layers x 64 experts, 50
         #   of them over 2 EP ranks, 0 FAIL): a flip that excuses must sit at a margin of at most 0.25. Benign bf16
-        #   roots reach 0.219 (0.02, the earlier value, fails 64 of the 250; 0.1 fails 6): a deep layer's router reads
+        #   roots reach 0.219 (0.02, the earlier value, fails 110 of the 250; 0.1 fails 8): a deep layer's router reads
         #   a hidden state that bf16 has moved through every layer below, not one rounding step. What tells a fault
         #   from rounding is the counterfactual (rule version 5: the reference forced to the accelerator's experts
         #   must match its prefill within ``prefill``): benign runs' forced error stays <= 0.029; 10 % scaled shards'
