@@ -925,6 +925,11 @@ def execute_moe(plan: MoePlan, bench: _Bench, log: Any) -> tuple[list[Run], list
 
 
 def moe_decide(run: Run, routing_tie: float, counterfactual: bool = True, decode: float | None = None) -> str:
+    """The verdict of ``moe_decision``."""
+    return moe_decision(run, routing_tie, counterfactual, decode).verdict.value
+
+
+def moe_decision(run: Run, routing_tie: float, counterfactual: bool = True, decode: float | None = None) -> Any:
     """A MoE run re-decided by ``decide`` from what it recorded, under another ``routing_tie``: its divergent steps,
     its prefill error and likelihoods, the roots of its routing flips (which alone the routing rule reads) and its
     counterfactual. Without ``counterfactual``, as rule version 4 decided: the flips explain whatever they excuse.
@@ -951,7 +956,24 @@ def moe_decide(run: Run, routing_tie: float, counterfactual: bool = True, decode
                         forced_accelerator_loglik=forced_loglik, forced_reference_loglik=forced_best,
                         step_rel_errors=run.extra.get("step_errors"),
                         forced_step_rel_errors=run.extra.get("forced_step_errors"))  # fmt: skip
-    return decide(evidence, tol).verdict.value
+    return decide(evidence, tol)
+
+
+def redecided(run: Run) -> Run:
+    """A recorded run decided again by the code's rule from its recorded evidence (``moe_decision``, which reproduces
+    every verdict of the rule version it ran under): the calibration of a rule version that changes only how evidence
+    is decided, from the runs of the one before. Where the verdict moved, the one it had is kept in ``extra``."""
+    from shared.testconfig import Tolerances
+
+    if run.rule == "error":
+        return run
+    decision = moe_decision(run, Tolerances.for_dtype("bfloat16").routing_tie)
+    if decision.verdict.value == run.verdict:
+        return run
+    was = {"verdict": run.verdict, "rule": run.rule, "reason": run.reason}
+    verdict = decision.verdict.value
+    return replace(run, verdict=verdict, rule=rule_of(verdict, decision.reason), reason=decision.reason,
+                   extra=run.extra | {"recorded": was})  # fmt: skip
 
 
 def moe_decide_v2(run: Run) -> str:
@@ -1061,6 +1083,23 @@ def decode_what_if(done: list[Run], moe_archs: set[str], tol: Any) -> list[str]:
     return lines
 
 
+def _redecided_note(runs: list[Run], recorded_under: int | None) -> list[str]:
+    """What a --redecide summary says of itself: the runs' own version, and every verdict that moved."""
+    from shared.testconfig import VERDICT_RULE_VERSION
+
+    if recorded_under is None:
+        return []
+    moved = [r for r in runs if "recorded" in r.extra]
+    said = "; ".join(f"{r.kind} {r.arch} seed {r.seed} ({r.cores} core(s)) {r.extra['recorded']['verdict']} → "
+                     f"{r.verdict}" for r in moved)  # fmt: skip
+    return [
+        f"The runs were recorded under rule version {recorded_under}; every verdict here is decided again by version "
+        f"{VERDICT_RULE_VERSION} from each run's recorded evidence (`--redecide`; re-decided under its own version, "
+        f"the evidence gives every verdict it had): {len(moved)} moved" + (f" — {said}." if moved else "."),
+        "",
+    ]
+
+
 def moe_markdown(runs: list[Run], not_run: list[str], meta: dict[str, Any]) -> str:
     from shared.testconfig import VERDICT_RULE_VERSION, Tolerances
 
@@ -1088,6 +1127,7 @@ def moe_markdown(runs: list[Run], not_run: list[str], meta: dict[str, Any]) -> s
         "round in larger bf16 steps. A root kept as null (inf below) is a flip to an expert outside the reference's "
         "top k+8 logits, or against no expert: no near tie the rule can measure.",
         "",
+        *_redecided_note(runs, meta.get("recorded_under")),
         "| runs | n | FAIL | rate | excused by a routing flip (prompt / step) | flips per run median | "
         "largest root margin | decode step error, largest (the counterfactual's) | decode step error, median |",
         "|---|---:|---:|---:|---|---:|---:|---:|---:|",
@@ -1137,7 +1177,9 @@ def moe_markdown(runs: list[Run], not_run: list[str], meta: dict[str, Any]) -> s
         "What if: every MoE run re-decided under another routing_tie, from its recorded evidence (its roots of the "
         "routing flips, divergent steps, prefill error and likelihoods). A run keeps the roots of the rule version it "
         "ran under: one recorded under version 3 (the roots no earlier position explains) holds a subset of version "
-        "4's (each position's lowest flips), so re-decided here it can pass where version 4 would fail it:",
+        "4's (each position's lowest flips), so re-decided here it can pass where version 4 would fail it. The rows "
+        "of earlier versions drop what those versions lacked (the counterfactual, the decode check) and keep the rest "
+        "of the code's rule, its rule 4 included:",
         "",
         "| routing_tie | benign FAIL | " + " | ".join(f"{f} caught" for f in MOE_FAULTS) + " |",
         "|---:|---:|" + "---:|" * len(MOE_FAULTS),
@@ -1186,6 +1228,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--json", type=Path, help="every run's evidence, as JSON lines (and a .meta.json beside)")
     parser.add_argument("--from-json", type=Path, help="summarize the runs a --json left, without running any")
     parser.add_argument("--resume", action="store_true", help="take the runs the --json's journal holds")
+    parser.add_argument("--redecide", type=int, metavar="VERSION", help="--moe --from-json: the runs were recorded "
+                        "under this rule version; decide each again by the code's rule from its evidence")  # fmt: skip
     parser.add_argument("--tasks", action="store_true", help="the embedding and image verdicts instead (issue 21)")
     parser.add_argument("--moe", action="store_true", help="the MoE routing rule at a real router shape (issue 30)")
     parser.add_argument("--sharded", type=int, default=50, help="--moe: benign EP runs at least (default 50)")
@@ -1228,6 +1272,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             meta_file = args.from_json.with_suffix(".meta.json")
             saved = json.loads(meta_file.read_text()) if meta_file.exists() else {}
             not_run = saved.get("not_run", [])
+            if args.redecide is not None:
+                moe_runs = [redecided(r) for r in moe_runs]
+                saved["recorded_under"] = args.redecide
         else:
             bench = _Bench(args.work, cache)
             bench.reuse_references = True
@@ -1242,6 +1289,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "command": saved.get("command", command),
             "wall_min": saved.get("wall_min", (time.monotonic() - started) / 60),
             "moe_archs": plan.moe_archs,
+            "recorded_under": saved.get("recorded_under"),
         }
         if args.json:
             args.json.write_text("".join(json.dumps(asdict(r)) + "\n" for r in moe_runs))

@@ -47,7 +47,10 @@ SENTENCES = [
 # prefix (a stored reference keeps them): a fault of the decode alone (a cache position off by one) moves them while
 # the 32 tokens match; a MoE's step past it is excused only where the routing flipped at near ties by then and the
 # counterfactual's step matches.
-VERDICT_RULE_VERSION = 7
+# 8: rule 4 fails a text less likely than the reference's own only where some divergent step is no near tie: a
+# benign 24-layer dense bf16 run whose one divergence was an exact tie followed the reference's own best picks from
+# there, 0.33 nats per token below the reference's text (another greedy path, no error), and failed under version 7.
+VERDICT_RULE_VERSION = 8
 # How many of the reference's largest logits each decode step is compared at: what greedy picks from and more, and
 # few enough that a stored reference keeps every step's (32 x 64 logits and ids, not 32 x the vocabulary)
 DECODE_TOP = 64
@@ -83,7 +86,8 @@ class Tolerances:
         #   positions on these tiny models (logits of 1-4), but a real model's logits of 30-60 round in bf16
         #   steps of 0.125-0.25 nats, so 0.3 stays until trn2 rows say otherwise.
         # - top-5 and 0.3 nats of likelihood slack: benign runs reach rank 1 and a 0.141 drop; one benign run of the
-        #   24-layer dense fixture (dense-llama-24x32, the MoE calibration) dropped 0.326 and FAILs: open, issue 30.
+        #   24-layer dense fixture (dense-llama-24x32, the MoE calibration) dropped 0.326 after an exact tie, which
+        #   rule version 8 leaves to rule 5 (every divergence a near tie): the slack weighs texts with a far step.
         # - decode 0.04 (rule version 7: each decode step's top logits on the accelerator's prefix): benign dense runs
         #   reach 0.020, benign MoE runs a median 0.037 (their flips excuse the rest: the counterfactual's <= 0.023);
         #   an off-by-one decode position moves a median 0.15. At 0.03, 14 of 250 benign MoE runs would fail.

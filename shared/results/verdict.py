@@ -20,7 +20,9 @@ The rule (``decide``), in order — the numeric rules first, so that no judge ca
    the routing cap where the routing flipped at near ties by that step and the counterfactual's step matches.
 3. Every one of the 32 tokens matches → PASS (a sharded run's judge may still find the text not fluent).
 4. The accelerator's text is implausible under the reference: its mean log-prob per token (raw logits,
-   teacher-forced) is more than the dtype's slack below the reference's own text's → FAIL. A MoE whose flips the
+   teacher-forced) is more than the dtype's slack below the reference's own text's, and some divergent step is no
+   near tie → FAIL. Where every divergence is a near tie, the text is the reference's own greedy text of its prefix
+   up to those ties, however less likely its path is: rule 5 decides it (rule version 8). A MoE whose flips the
    counterfactual explains (rule 2's sense, over the whole run) is weighed under the counterfactual too, against the
    counterfactual's own best pick at each step of the same prefix: plausible there, it is not implausible.
 5. Every divergent step is a near tie: the accelerator's token is in the reference's top-k *processed*
@@ -140,6 +142,16 @@ def is_near_tie(step: StepEvidence, tol: Tolerances) -> bool:
     return _near_tie(step.gap, step.rank, tol)
 
 
+def implausible_text(accelerator_loglik: float, reference_loglik: float, steps: Sequence[StepEvidence],
+                     tol: Tolerances) -> bool:  # fmt: skip
+    """Rule 4 without the counterfactual: less likely than the reference's own text by more than the slack, where some
+    divergent step is no near tie. A text whose every divergence is a near tie is the reference's own greedy text of
+    its prefix up to those ties (each costs it at most ``near_tie_gap``, no more than the slack): its likelihood is
+    its path's, not an error's (rule version 8)."""
+    far = not all(is_near_tie(step, tol) for step in steps)
+    return far and accelerator_loglik < reference_loglik - tol.loglik_slack
+
+
 def explained_by_routing(step: StepEvidence, tol: Tolerances) -> bool:
     """With the accelerator's experts forced (the counterfactual), the reference nearly picks the accelerator's token:
     the routing that flipped is what moved this step. No counterfactual ran: nothing explained."""
@@ -208,7 +220,7 @@ def decide(evidence: Evidence, tol: Tolerances) -> Decision:
         # against its own best pick at each step of the same prefix
         routed_text, routed_best = evidence.forced_accelerator_loglik, evidence.forced_reference_loglik
         every_flip = max((flip.step for flip in evidence.routing_flips or ()), default=0)
-        implausible, weighed = acc_loglik < ref_loglik - tol.loglik_slack, ""
+        implausible, weighed = implausible_text(acc_loglik, ref_loglik, evidence.divergent_steps, tol), ""
         if routed_text is not None and routed_best is not None and routing_explains(evidence, every_flip, tol):
             implausible = implausible and routed_text < routed_best - tol.loglik_slack
             weighed = f"; with the accelerator's experts forced too: {routed_text:.3f} vs {routed_best:.3f}"

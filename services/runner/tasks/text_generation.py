@@ -33,7 +33,14 @@ from shared.contracts.enums import ErrorClass, Parallelism, Task
 from shared.contracts.evidence import Evidence, StepEvidence
 from shared.contracts.handoffs import AcceleratorData, Artifacts, Routing
 from shared.contracts.report import Comparison, Performance, Resources
-from shared.results.verdict import decide, is_near_tie, long_outcome, routing_flips, routing_roots
+from shared.results.verdict import (
+    decide,
+    implausible_text,
+    is_near_tie,
+    long_outcome,
+    routing_flips,
+    routing_roots,
+)
 from shared.testconfig import (
     DECODE_TOP,
     LONG_NEW_TOKENS,
@@ -370,7 +377,7 @@ class TextGeneration:
         needed = (
             _relative_error(acc_prefill, ref_prefill) > tol.prefill
             or any(not is_near_tie(step, tol) for step in steps)
-            or acc_loglik < reference_loglik - tol.loglik_slack
+            or implausible_text(acc_loglik, reference_loglik, steps, tol)
             or any(error is not None and error > tol.decode for error in errors[1:])
         )
         if flips and needed and spec.accelerator.routing is not None:
