@@ -16,9 +16,9 @@ compare, then the next model).
 
 A host serves one stack (its image's: a compiler version, with the one torch and transformers of ``stack``), and
 takes jobs from that stack's queues only. The fleet is static (``FleetSimulation``: every host up from the start,
-hosts spread over the compiler versions in turn) or autoscaled (``AutoscaledFleet``: hosts started and stopped as
-the trn2-autoscaled overlay's KEDA ScaledObject asks, see ``Autoscaler``), and each is billed for its hosts' whole
-time up, all of a host's cores.
+hosts spread over the compiler versions in turn) or autoscaled (``AutoscaledFleet``: hosts started as the
+trn2-autoscaled overlay's KEDA ScaledJob asks, each leaving once idle, see ``Autoscaler``), and each is billed for
+its hosts' whole time up, all of a host's cores.
 """
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ class _Host:
     ready_s: float = 0.0  # its launcher is up: it plans and starts workers
     leaving: bool = False  # scaled in: its workers drain, then it stops
     stopped_s: float | None = None
+    idle_since: float | None = None  # the autoscaled fleet: since when it has had no work
 
     def serving(self, now: float) -> bool:
         """Up, and taking jobs: a host the launchers share the queued jobs over."""
@@ -337,7 +338,7 @@ class FleetSimulation:
             self.changed()
 
 
-SCALED_OBJECT = Path(__file__).resolve().parent.parent / "deploy/kubernetes/overlays/trn2-autoscaled/scaledobject.yaml"
+AUTOSCALED = Path(__file__).resolve().parent.parent / "deploy/kubernetes/overlays/trn2-autoscaled/pod"
 # From the scale-up decision to a launcher that plans: Karpenter launches a trn2.48xlarge (about a minute to a
 # running instance), the node joins the cluster and its Neuron device plugin registers (about another), the neuron
 # image (torch-neuronx, transformers, the Neuron runtime: gigabytes) is pulled onto its empty disk, and the launcher's
@@ -348,41 +349,35 @@ NODE_START_S = 300.0
 
 @dataclass(frozen=True)
 class Autoscaler:
-    """How the autoscaled fleet grows and shrinks: the trn2-autoscaled overlay's KEDA ScaledObject, one per compiler
-    version's image (``from_scaled_object`` reads its settings), and the node each pod needs.
+    """How the autoscaled fleet grows and shrinks: the trn2-autoscaled overlay's KEDA ScaledJob, one per compiler
+    version's image, and its launchers' ``--exit-when-idle`` (``from_manifests`` reads both), and the node each pod
+    needs.
 
-    Every ``polling_s`` each compiler version's fleet asks for the largest of: per job size, its queued jobs over a
-    host's worth of them (the postgresql ``waiting-c<size>`` triggers, which count in SQL the queued jobs of the
-    queues of every stack on that compiler version, against ``targetQueryValue`` = cores per host / size), and its
-    busy hosts (the ``busy-hosts`` trigger), at most ``max_hosts``. Up: at once (HPA's default scale-up). Down: to
-    the largest wish of the last ``stabilization_s``, one host per ``scale_down_every_s`` (the HPA behaviour), and to
-    zero once every trigger has been zero for ``cooldown_s`` (KEDA's cooldownPeriod). The host that goes is the
-    newest (the ReplicaSet's choice, not the idlest: one still starting goes at once; a busy one drains its jobs
-    first). ``max_hosts`` is also the node pool's limit over every compiler version's fleet: when the wishes exceed
-    it, the versions take hosts in turn."""
+    Every ``polling_s`` each compiler version's fleet asks for the cores of its queued and running jobs over a host's
+    cores (the postgresql ``cores-wanted`` trigger, which sums them in SQL over the queues of every stack on that
+    compiler version, against ``targetQueryValue`` = a host's cores), at most ``max_hosts``, and KEDA starts that many
+    minus the pods it runs (its default strategy); it never stops one. A host leaves on its own once it has had no
+    work — nothing queued on its compiler's queues, nothing on its cores, no verdict stage left — for
+    ``idle_exit_s``, seen at a poll here (the launcher looks every tenth of it). ``max_hosts`` is also the node
+    pool's limit over every compiler version's fleet: when the wishes exceed it, the versions take hosts in turn."""
 
     max_hosts: int = 4
     node_start_s: float = NODE_START_S
     polling_s: float = 30.0
-    cooldown_s: float = 900.0
-    stabilization_s: float = 900.0
-    scale_down_every_s: float = 300.0
+    idle_exit_s: float = 900.0
 
     @classmethod
-    def from_scaled_object(cls, path: Path = SCALED_OBJECT, node_start_s: float = NODE_START_S) -> Autoscaler:
+    def from_manifests(cls, pod: Path = AUTOSCALED, node_start_s: float = NODE_START_S) -> Autoscaler:
         import yaml
 
-        spec = next(d for d in yaml.safe_load_all(path.read_text()) if d["kind"] == "ScaledObject")["spec"]
-        down = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
-        [policy] = down["policies"]
-        assert policy == {"type": "Pods", "value": 1, "periodSeconds": policy["periodSeconds"]}, policy
+        spec = next(d for d in yaml.safe_load_all((pod / "scaledjob.yaml").read_text()) if d["kind"] == "ScaledJob")
+        [patch] = yaml.safe_load((pod / "kustomization.yaml").read_text())["patches"]
+        args = [op["value"] for op in yaml.safe_load(patch["patch"])]
         return cls(
-            max_hosts=spec["maxReplicaCount"],
+            max_hosts=spec["spec"]["maxReplicaCount"],
             node_start_s=node_start_s,
-            polling_s=spec["pollingInterval"],
-            cooldown_s=spec["cooldownPeriod"],
-            stabilization_s=down["stabilizationWindowSeconds"],
-            scale_down_every_s=policy["periodSeconds"],
+            polling_s=spec["spec"]["pollingInterval"],
+            idle_exit_s=float(args[args.index("--exit-when-idle") + 1]),
         )
 
 
@@ -401,9 +396,6 @@ class AutoscaledFleet(FleetSimulation):
     ) -> None:
         super().__init__(jobs, 0, cores_per_host, timings, seconds_per_job, compilers=compilers)
         self.autoscaler = autoscaler
-        self.wishes: dict[str, list[tuple[float, int]]] = {c: [] for c in self.compilers}
-        self.active_at: dict[str, float] = {c: -math.inf for c in self.compilers}  # last poll with a trigger above 0
-        self.scaled_down_at: dict[str, float] = {c: -math.inf for c in self.compilers}
         self.unfinished = 0
 
     def run(self) -> SimResult:
@@ -429,36 +421,30 @@ class AutoscaledFleet(FleetSimulation):
         """The fleet's pods: hosts starting or up, not leaving."""
         return [h for h in self.hosts if h.compiler == compiler and not h.leaving and h.stopped_s is None]
 
+    def queued(self, compiler: str) -> list[SimJob]:
+        return [job for size in CORE_SIZES if (q := self.queue(compiler, size)) for job in q]
+
     def wish(self, compiler: str) -> int:
-        """What the triggers ask for: a host per host's worth of queued jobs of a size, or per busy host."""
-        waiting = [math.ceil(len(q) / (self.cores_per_host // size)) for size in CORE_SIZES
-                   if size <= self.cores_per_host and (q := self.queue(compiler, size))]  # fmt: skip
-        busy = sum(1 for h in self.hosts if h.compiler == compiler and h.stopped_s is None and h.busy(self.now))
-        return min(self.autoscaler.max_hosts, max([busy, *waiting]))
+        """What the trigger asks for: a host per host's worth of the cores its queued and running jobs want."""
+        running = [w.job for h in self.hosts if h.compiler == compiler
+                   for w in [*h.workers.values(), *h.draining.values()] if w.job is not None]  # fmt: skip
+        cores = sum(job.cores for job in [*self.queued(compiler), *running])
+        return min(self.autoscaler.max_hosts, math.ceil(cores / self.cores_per_host))
 
     def poll(self) -> None:
         scaler = self.autoscaler
         wanted: dict[str, int] = {}
         for compiler in self.compilers:
-            wish = self.wish(compiler)
-            if wish > 0:
-                self.active_at[compiler] = self.now
-            history = self.wishes[compiler]
-            history.append((self.now, wish))
-            while history[0][0] < self.now - scaler.stabilization_s:
-                history.pop(0)
             up = self.up(compiler)
-            if wish >= len(up):
-                wanted[compiler] = wish - len(up)
-            elif self.now - self.active_at[compiler] >= scaler.cooldown_s:  # every trigger at zero: to zero
-                for host in up:
+            wanted[compiler] = max(0, self.wish(compiler) - len(up))
+            queued = bool(self.queued(compiler))
+            for host in up:  # each leaves on its own, once idle long enough
+                if host.ready_s > self.now or queued or host.busy(self.now):
+                    host.idle_since = None
+                elif host.idle_since is None:
+                    host.idle_since = self.now
+                elif self.now - host.idle_since >= scaler.idle_exit_s:
                     self.leave(host)
-            elif self.now - self.scaled_down_at[compiler] >= scaler.scale_down_every_s and max(
-                1, *(w for _, w in history)
-            ) < len(up):
-                self.scaled_down_at[compiler] = self.now
-                starting = [h for h in up if h.ready_s > self.now]
-                self.leave(max(starting or up, key=lambda h: h.started_s))
         free = scaler.max_hosts - sum(1 for h in self.hosts if h.stopped_s is None)  # a leaving node is still held
         while free > 0 and any(wanted.values()):
             for compiler in self.compilers:  # the versions in turn
@@ -475,12 +461,8 @@ class AutoscaledFleet(FleetSimulation):
         self.at(host.ready_s, self.changed)  # its launcher plans, the others share the queues with it
 
     def leave(self, host: _Host) -> None:
-        """Scaled in: a host still starting goes at once; one that is up drains (its launcher's SIGTERM) and stops
-        once its jobs and verdict stages are done."""
+        """Idle long enough: it drains (as on SIGTERM) and stops once its workers have exited."""
         host.leaving = True
-        if host.ready_s > self.now:
-            host.stopped_s = self.now
-            return
         for group, worker in list(host.workers.items()):
             del host.workers[group]
             worker.draining = True

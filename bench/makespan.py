@@ -18,9 +18,9 @@ runs), fixed layouts (all 1-core; 8 x 8), and ours (the real planner re-planning
 the expected seconds per size (what the launcher reads from recent jobs; here, the sweep's own medians).
 
 The autoscaled fleet: the same sweep under two compiler versions (two images, each version's hosts its own
-fleet), from zero hosts, scaled by the trn2-autoscaled overlay's KEDA ScaledObject (``fleet.Autoscaler``: its
-polling, cooldown and scale-down settings read from the manifest, each new node ready ``NODE_START_S`` after the
-decision), against a static fleet of as many hosts, always up: makespan against the lower bound on the most
+fleet), from zero hosts, scaled by the trn2-autoscaled overlay's KEDA ScaledJob (``fleet.Autoscaler``: its
+polling, its largest fleet and its launchers' idle exit read from the manifests, each new node ready ``NODE_START_S``
+after the decision), against a static fleet of as many hosts, always up: makespan against the lower bound on the most
 hosts the scaler may hold, and the core-hours billed (every host's cores from its start to its stop) against
 those the jobs used.
 """
@@ -114,7 +114,7 @@ def autoscaled(ranked: list[SimJob]) -> tuple[SimResult, SimResult, Autoscaler]:
     """The sweep under every ``AUTOSCALED_COMPILERS`` version on the autoscaled fleet, and on a static fleet of
     the scaler's most hosts (the versions' hosts in turn)."""
     jobs = [replace(j, name=f"{j.name}@{c}", compiler=c) for c in AUTOSCALED_COMPILERS for j in enqueue_order(ranked)]
-    scaler = Autoscaler.from_scaled_object()
+    scaler = Autoscaler.from_manifests()
     durations = median_seconds_per_size(jobs)
     scaled = AutoscaledFleet(jobs, scaler, CORES_PER_HOST, Timings(), durations, AUTOSCALED_COMPILERS).run()
     static = simulate(jobs, scaler.max_hosts, CORES_PER_HOST, Timings(), durations, compilers=AUTOSCALED_COMPILERS)
@@ -126,9 +126,9 @@ def autoscaled_lines(ranked: list[SimJob]) -> tuple[list[str], Measure]:
     lines = [
         f"\nThe autoscaled fleet: the {len(ranked)} models that fit x {len(AUTOSCALED_COMPILERS)} compiler versions "
         f"({scaled.jobs_run} jobs), from zero hosts; at most {scaler.max_hosts} hosts (`maxReplicaCount`), polling "
-        f"{scaler.polling_s:g} s, cooldown {scaler.cooldown_s:g} s, one host down per {scaler.scale_down_every_s:g} s "
-        f"after {scaler.stabilization_s:g} s of stable wishes, a node ready {NODE_START_S:g} s after the decision "
-        "(an assumption: `bench/fleet.py`).\n",
+        f"{scaler.polling_s:g} s, a host per {CORES_PER_HOST} cores wanted by the queued and running jobs, each host "
+        f"leaving on its own after {scaler.idle_exit_s:g} s without work (`--exit-when-idle`; KEDA never stops one), "
+        f"a node ready {NODE_START_S:g} s after the decision (an assumption: `bench/fleet.py`).\n",
         "| fleet | makespan | / lower bound | peak hosts | core-hours billed | core-hours used | used / billed |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -139,7 +139,7 @@ def autoscaled_lines(ranked: list[SimJob]) -> tuple[list[str], Measure]:
         )
     lines.append(
         "\nThe static fleet is billed until its last job ends (then scaled away by hand); the autoscaled one pays "
-        "for each node's start-up and the cooldown after the sweep, and gives nodes back as the queues empty."
+        "for each node's start-up and its idle time before it leaves, and gives nodes back as the queues empty."
     )
     measure = Measure(
         measure="P1 autoscaled fleet: core-hours billed for one sweep x 2 compiler versions",

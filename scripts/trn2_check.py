@@ -116,14 +116,13 @@ def served(backend: str) -> RuntimeInfo | str:
 
 def queues(runtime: RuntimeInfo) -> str:
     """The stack a host of ``runtime`` serves and its job queues, one per core-group size; and, on neuron, what the
-    trn2-autoscaled overlay's KEDA triggers must count for them (they name the compiler version only)."""
+    trn2-autoscaled overlay's KEDA trigger must count for them (it names the compiler version only)."""
     stack = runtime.stack()
     lines = [f"stack: {stack.label()} ({stack.name})", "job queues:"]
     lines += [f"  {job_queue(runtime.backend, stack, size)}" for size in CORE_SIZES]
     if runtime.backend == "neuron":
-        size = CORE_SIZES[0]
-        counted = compiler_queues_like(runtime.backend, stack.compiler_version, size)
-        lines.append(f"KEDA (trn2-autoscaled): waiting-c{size} must count queue LIKE '{counted}' (each size alike)")
+        counted = compiler_queues_like(runtime.backend, stack.compiler_version)
+        lines.append(f"KEDA (trn2-autoscaled): cores-wanted must count queue LIKE '{counted}'")
     lines.append(f"fleet (the ConfigMap declares it so): SUPPORTMATRIX_FLEET_RUNTIME={runtime.model_dump_json()}")
     return "\n".join(lines)
 

@@ -54,10 +54,11 @@ def test_the_hub_sweep_data_sizes_through_the_real_sizing() -> None:
 
 
 def test_the_autoscaled_fleet_starts_from_zero_runs_every_job_once_and_gives_its_hosts_back() -> None:
-    """The trn2-autoscaled overlay's ScaledObject drives the simulated scaler: no host before the first poll, none
-    ready before a node's start-up, every job once, and every host stopped (billed) once the queues are empty."""
-    scaler = fleet.Autoscaler.from_scaled_object(node_start_s=60.0)
-    assert scaler.max_hosts == 4 and scaler.cooldown_s == 900  # the manifest's maxReplicaCount, cooldownPeriod
+    """The trn2-autoscaled overlay's ScaledJob drives the simulated scaler: no host before the first poll, none
+    ready before a node's start-up, every job once, and every host stopped (billed) once it has been idle for the
+    launchers' --exit-when-idle."""
+    scaler = fleet.Autoscaler.from_manifests(node_start_s=60.0)
+    assert scaler.max_hosts == 4 and scaler.idle_exit_s == 900  # the ScaledJob's maxReplicaCount, the idle exit
     jobs = [fleet.SimJob(f"{j.name}@{c}", j.cores, j.accelerator_s, j.verdict_s, compiler=c)
             for c in ("a", "b") for j in BURST * 3]  # fmt: skip
     jobs = [fleet.SimJob(f"{j.name}-{i}", j.cores, j.accelerator_s, j.verdict_s, compiler=j.compiler)
@@ -68,6 +69,6 @@ def test_the_autoscaled_fleet_starts_from_zero_runs_every_job_once_and_gives_its
     assert 2 <= result.peak_hosts <= scaler.max_hosts  # a host per compiler version at least
     assert all(stop >= start for start, stop in result.hosts_up) and len(result.hosts_up) >= 2
     assert result.billed_core_s >= result.used_core_s > 0
-    # each host's cores are billed from its start to its stop, the cooldown after the last job included
-    assert max(stop for _, stop in result.hosts_up) >= max(result.ends.values())
+    # each host's cores are billed from its start to its stop, its idle time before it leaves included
+    assert max(stop for _, stop in result.hosts_up) >= max(result.ends.values()) + scaler.idle_exit_s
     assert result.billed_core_s == sum(8 * (stop - start) for start, stop in result.hosts_up)

@@ -11,6 +11,11 @@ behind it. Beside them it keeps ``SUPPORTMATRIX_VERDICT_WORKERS`` verdict worker
 unpinned: a job's verdict stage runs there after its accelerator stage has given its cores back; and the
 host's zygote, which forks the workers' runners with torch and transformers already imported
 (``SUPPORTMATRIX_ZYGOTE``, on by default; shared/zygote_client.py).
+
+With ``--exit-when-idle S`` the host leaves on its own once SQL has shown it no work for S seconds — nothing queued
+on its queues, nothing running under its leases, nothing left to judge on its verdict queue — draining as on
+SIGTERM and exiting 0: a pod of the trn2-autoscaled overlay's KEDA ScaledJob, which KEDA never stops, so the pod
+that goes is always an idle one (docs/kubernetes.md).
 """
 
 from __future__ import annotations
@@ -32,12 +37,13 @@ from services.worker.__main__ import describe_runtime
 from services.worker.__main__ import main as worker_main
 from services.worker.planner import HostPlan, HostState, plan_host
 from shared.contracts.enums import JobState
+from shared.contracts.run import CORE_SIZES, RuntimeInfo
 from shared.cores import CoreGroup
 from shared.db.engine import DB_ERRORS, get_engine, new_session
 from shared.db.models import Job, utcnow
 from shared.jobs.backlog import backlog_facts
 from shared.jobs.lease import LeaseOwner
-from shared.jobs.queues import verdict_queue
+from shared.jobs.queues import job_queue, verdict_queue
 from shared.jobs.runtimes import live_since, refuse_other_fleet
 from shared.processes import ChildProcess, die_with_parent, run_as_child
 from shared.settings import Settings, child_environment, get_settings
@@ -343,6 +349,53 @@ def verdict_stages_left(queue: str) -> tuple[int, int]:
     return int(left), int(judging)
 
 
+def work_left(host: str, queues: Sequence[str]) -> bool:
+    """SQL shows this host work: a job queued on one of its queues, one running under its leases (an owner
+    ``worker@host:pid``), or one whose verdict stage is still to run on its verdict queue."""
+    with new_session() as session:
+        found = session.scalar(
+            sa.select(Job.id)
+            .where(
+                sa.or_(
+                    sa.and_(Job.state == JobState.queued, Job.queue.in_(queues)),
+                    sa.and_(Job.state == JobState.running, Job.lease_owner.contains(f"@{host}:", autoescape=True)),
+                    sa.and_(Job.state == JobState.judging, Job.verdict_queue == verdict_queue(host)),
+                )
+            )
+            .limit(1)
+        )
+    return found is not None
+
+
+@dataclass
+class IdleClock:
+    """How long SQL has shown a host no work (``work_left``), looked at every tenth of ``exit_after_s``; a database
+    that does not answer counts as work, so a host never leaves on what it could not read."""
+
+    host: str
+    queues: Sequence[str]
+    exit_after_s: float
+    idle_since: float = field(default_factory=time.monotonic)
+    looked_at: float = 0.0
+
+    def expired(self) -> bool:
+        now = time.monotonic()
+        if now - self.looked_at >= self.exit_after_s / 10:
+            self.looked_at = now
+            try:
+                busy = work_left(self.host, self.queues)
+            except DB_ERRORS:
+                busy = True
+            if busy:
+                self.idle_since = now
+        return now - self.idle_since >= self.exit_after_s
+
+
+def served_queues(served: RuntimeInfo, cores: int) -> list[str]:
+    """The job queues a host of ``cores`` cores serves: its stack's, of every group size it can hold."""
+    return [job_queue(served.backend, served.stack(), size) for size in CORE_SIZES if size <= cores]
+
+
 def log(message: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} host: {message}", flush=True)
 
@@ -352,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.worker.host", description=__doc__)
     parser.add_argument("--cores", type=int, default=settings.host_cores, help="cores this host has")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the backlog and workers")
+    parser.add_argument("--exit-when-idle", type=float, metavar="SECONDS", default=None,
+                        help="drain and exit 0 once SQL has shown this host no work for this long")  # fmt: skip
     args = parser.parse_args(argv)
     # Described once per host and kept (services/worker/__main__.py): every worker started after reads it back
     # instead of importing torch in a runner child, so a worker is ready in about a second.
@@ -365,8 +420,14 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    idle = None
+    if args.exit_when_idle is not None:
+        idle = IdleClock(settings.host_name, served_queues(served, args.cores), args.exit_when_idle)
     while not stop.is_set():
         launcher.step()
+        if idle is not None and idle.expired():
+            log(f"exit: no work for {args.exit_when_idle:g} s; draining")
+            break
         stop.wait(args.poll)
     launcher.stop()
     return 0

@@ -25,13 +25,13 @@ def job_queue(backend: str, stack: Stack, cores: int) -> str:
     return f"{JOB_QUEUE_PREFIX}.{backend}.{safe_name(stack.compiler_version)}.{stack.name}.c{cores}"
 
 
-def compiler_queues_like(backend: str, compiler_version: str, cores: int) -> str:
-    """The SQL ``LIKE`` pattern of the job queues of every stack on one compiler version and core-group size (what
-    the trn2-autoscaled overlay's KEDA triggers count: an image's exact stack is known only once it is built). The
-    one wildcard is the stack's digest: a ``_`` of the version (``safe_name`` flattens odd characters to it) is
-    escaped with PostgreSQL's default escape character, the backslash, so that it matches itself only."""
+def compiler_queues_like(backend: str, compiler_version: str) -> str:
+    """The SQL ``LIKE`` pattern of the job queues of every stack and core-group size on one compiler version (what the
+    trn2-autoscaled overlay's KEDA trigger counts: an image's exact stack is known only once it is built). The
+    wildcards are the stack's digest and the size; a ``_`` of the version (``safe_name`` flattens odd characters to
+    it) is escaped with PostgreSQL's default escape character, the backslash, so that it matches itself only."""
     version = safe_name(compiler_version).replace("_", "\\_")
-    return f"{JOB_QUEUE_PREFIX}.{backend}.{version}.{STACK_NAME_PREFIX}%.c{cores}"
+    return f"{JOB_QUEUE_PREFIX}.{backend}.{version}.{STACK_NAME_PREFIX}%.c%"
 
 
 def verdict_queue(host: str) -> str:
