@@ -22,7 +22,8 @@ fleet), from zero hosts, scaled by the trn2-autoscaled overlay's KEDA ScaledJob 
 polling, its largest fleet and its launchers' idle exit read from the manifests, each new node ready ``NODE_START_S``
 after the decision), against a static fleet of as many hosts, always up: makespan against the lower bound on the most
 hosts the scaler may hold, and the core-hours billed (every host's cores from its start to its stop) against
-those the jobs used.
+those the jobs used; restated over a day with that one sweep, against the static fleet up all day, since the point
+of scaling to zero is the idle hours.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ def strategies(ranked: list[SimJob], hosts: int) -> dict[str, SimResult]:
     }
 
 
+DAY_S = 86_400.0
+
+
 def autoscaled(ranked: list[SimJob]) -> tuple[SimResult, SimResult, Autoscaler]:
     """The sweep under every ``AUTOSCALED_COMPILERS`` version on the autoscaled fleet, and on a static fleet of
     the scaler's most hosts (the versions' hosts in turn)."""
@@ -141,14 +145,26 @@ def autoscaled_lines(ranked: list[SimJob]) -> tuple[list[str], Measure]:
         "\nThe static fleet is billed until its last job ends (then scaled away by hand); the autoscaled one pays "
         "for each node's start-up and its idle time before it leaves, and gives nodes back as the queues empty."
     )
+    # The point of scaling to zero is the idle hours: a day with one sweep, against the static fleet up all day
+    # (after the sweep the autoscaled hosts have left: nothing is billed until the next submission)
+    static_day_core_h = scaler.max_hosts * CORES_PER_HOST * DAY_S / 3600
+    assert scaled.makespan_s < DAY_S
+    lines.append(
+        f"\nOver a day with that one sweep: the autoscaled fleet is billed {scaled.billed_core_s / 3600:,.0f} core-h "
+        f"(its hosts leave once idle), a static fleet of {scaler.max_hosts} hosts up all day "
+        f"{static_day_core_h:,.0f} core-h; for the sweep alone the static fleet, scaled away by hand at its last job, "
+        f"{static.billed_core_s / 3600:,.0f} core-h."
+    )
     measure = Measure(
-        measure="P1 autoscaled fleet: core-hours billed for one sweep x 2 compiler versions",
+        measure="P1 autoscaled fleet: core-hours billed over a day with one sweep x 2 compiler versions",
         unit="core-h",
         ours=scaled.billed_core_s / 3600,
-        baseline=static.billed_core_s / 3600,
-        baseline_name=f"static {scaler.max_hosts} hosts",
-        note=f"makespan {scaled.makespan_s / 3600:.2f} h ({scaled.ratio:.2f}x its lower bound) against "
-        f"{static.makespan_s / 3600:.2f} h static; used {scaled.used_core_s / 3600:,.0f} core-h",
+        baseline=static_day_core_h,
+        baseline_name=f"static {scaler.max_hosts} hosts up 24 h",
+        note=f"the sweep alone: {scaled.billed_core_s / static.billed_core_s:.2f}x the static fleet's "
+        f"{static.billed_core_s / 3600:,.0f} core-h; makespan {scaled.makespan_s / 3600:.2f} h "
+        f"({scaled.ratio:.2f}x its lower bound) against {static.makespan_s / 3600:.2f} h static; used "
+        f"{scaled.used_core_s / 3600:,.0f} core-h",
     )
     return lines, measure
 
