@@ -436,7 +436,9 @@ class AutoscaledFleet(FleetSimulation):
         wanted: dict[str, int] = {}
         for compiler in self.compilers:
             up = self.up(compiler)
-            wanted[compiler] = max(0, self.wish(compiler) - len(up))
+            # KEDA subtracts every Job not finished: a host leaving still counts until it has stopped
+            unfinished = [h for h in self.hosts if h.compiler == compiler and h.stopped_s is None]
+            wanted[compiler] = max(0, self.wish(compiler) - len(unfinished))
             queued = bool(self.queued(compiler))
             for host in up:  # each leaves on its own, once idle long enough
                 if host.ready_s > self.now or queued or host.busy(self.now):

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,15 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from services.worker.host import HostLauncher
+from services.worker.host import HostLauncher, IdleClock, work_left
+from shared.contracts.enums import JobState
+from shared.contracts.run import RuntimeInfo
 from shared.cores import CoreGroup, cpu_set, format_cpus
 from shared.db.engine import new_session
 from shared.db.models import Worker
+from shared.hub.client import ResolvedModel
+from shared.jobs import submission
+from shared.jobs.queues import job_queue, verdict_queue
 from shared.settings import get_settings
 from tests.conftest import wait_for_job
 from tests.test_pipeline import FINISHED, accelerator_owner, submit
@@ -177,3 +183,53 @@ def test_a_launcher_that_loses_the_database_keeps_its_workers_and_goes_on() -> N
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("[None, None, None] True"), done.stdout
     assert done.stdout.count("plan: cannot read the backlog (OperationalError)") == 1, done.stdout  # once an outage
+
+
+def test_a_host_is_idle_only_when_sql_shows_it_no_work_and_looks_again_before_it_leaves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """work_left (what --exit-when-idle reads): a job queued on one of the host's queues, one running under a lease of
+    this host (a `_` in its name matches only itself), or one to judge on its verdict queue is work; another host's,
+    another queue's or a finished job is not. IdleClock: a database that does not answer is work, and a job claimed
+    since the last look keeps the host at the moment it would leave."""
+    rt = RuntimeInfo(backend="cpu", compiler_name="idle", compiler_version=f"idle-{uuid.uuid4().hex[:8]}",
+                     library_version="5.25.0", torch_version="2.13.0")  # fmt: skip
+    queue, host = job_queue(rt.backend, rt.stack(), 1), f"node_{uuid.uuid4().hex[:6]}"
+    model = ResolvedModel(model_id=f"idle/{rt.compiler_version}", sha="a" * 40, gated=False, pipeline_tag=None)
+    with new_session() as session:
+        [submitted] = submission.submit(session, model, None, [rt], cores=1)
+        job = submitted.job
+        session.commit()
+        assert work_left(host, [queue]) and not work_left(host, [queue.replace(".c1", ".c2")])
+        job.state, job.lease_owner = JobState.running, f"cores-0@{host}:123"
+        session.commit()
+        assert work_left(host, []) and not work_left(host.replace("_", "x"), []) and not work_left("node%", [])
+        job.state, job.lease_owner, job.verdict_queue = JobState.judging, None, verdict_queue(host)
+        session.commit()
+        assert work_left(host, []) and not work_left(f"other-{host}", [])
+        job.state = JobState.done
+        session.commit()
+        assert not work_left(host, [queue])
+        session.delete(job)  # the suite's shared database: no row of a job that never ran stays for other tests
+        session.commit()
+    answers: list[bool | Exception] = []
+
+    def look(_host: str, _queues: Any) -> bool:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr("services.worker.host.work_left", look)
+    clock = IdleClock(host, [queue], exit_after_s=0.2)
+    answers[:] = [sa.exc.OperationalError("SELECT", {}, Exception("gone"))]
+    time.sleep(0.25)
+    assert not clock.expired() and answers == []  # could not read: work, the clock starts again
+    answers[:] = [False]
+    time.sleep(0.25)
+    clock.looked_at = time.monotonic()  # a look just now, as if within its tenth
+    answers[:] = [True]  # but a job was claimed since: the look before leaving sees it
+    assert not clock.expired() and answers == []
+    answers[:] = [False, False]
+    time.sleep(0.25)
+    assert clock.expired()

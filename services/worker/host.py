@@ -369,8 +369,9 @@ def work_left(host: str, queues: Sequence[str]) -> bool:
 
 @dataclass
 class IdleClock:
-    """How long SQL has shown a host no work (``work_left``), looked at every tenth of ``exit_after_s``; a database
-    that does not answer counts as work, so a host never leaves on what it could not read."""
+    """How long SQL has shown a host no work (``work_left``), looked at every tenth of ``exit_after_s`` and once more
+    before it says the time is up, so that a job claimed since the last look keeps the host; a database that does not
+    answer counts as work, so a host never leaves on what it could not read."""
 
     host: str
     queues: Sequence[str]
@@ -380,7 +381,7 @@ class IdleClock:
 
     def expired(self) -> bool:
         now = time.monotonic()
-        if now - self.looked_at >= self.exit_after_s / 10:
+        if now - self.looked_at >= self.exit_after_s / 10 or now - self.idle_since >= self.exit_after_s:
             self.looked_at = now
             try:
                 busy = work_left(self.host, self.queues)
@@ -425,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         idle = IdleClock(settings.host_name, served_queues(served, args.cores), args.exit_when_idle)
     while not stop.is_set():
         launcher.step()
-        if idle is not None and idle.expired():
+        # not while a worker starts: one stopped before it has recorded the message it took loses it (STARTING_S)
+        if idle is not None and not launcher.starting() and idle.expired():
             log(f"exit: no work for {args.exit_when_idle:g} s; draining")
             break
         stop.wait(args.poll)

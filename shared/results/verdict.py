@@ -146,8 +146,9 @@ def implausible_text(accelerator_loglik: float, reference_loglik: float, steps: 
                      tol: Tolerances) -> bool:  # fmt: skip
     """Rule 4 without the counterfactual: less likely than the reference's own text by more than the slack, where some
     divergent step is no near tie. A text whose every divergence is a near tie is the reference's own greedy text of
-    its prefix up to those ties (each costs it at most ``near_tie_gap``, no more than the slack): its likelihood is
-    its path's, not an error's (rule version 8)."""
+    its prefix up to those ties (each within ``near_tie_gap`` of the reference's pick in the processed scores greedy
+    chose from, which is no more than the slack): its likelihood is its path's, not an error's (rule version 8). What
+    such a text is still held to: rule 5's near ties, and on every step rule 2's decode check."""
     far = not all(is_near_tie(step, tol) for step in steps)
     return far and accelerator_loglik < reference_loglik - tol.loglik_slack
 
