@@ -55,6 +55,8 @@ TRN2 = ["trn2", "trn2-autoscaled"]
 KUBERNETES_VERSION = "1.32"  # the schemas the manifests are checked against; EKS's supported versions include it
 SECRET = "supportmatrix-secrets"
 HOST_CORES = 64  # a trn2.48xlarge at LNC=2
+# The neuron image's compiler (its pin): what the trn2-autoscaled overlay's KEDA query names
+[IMAGE_COMPILER] = re.findall(r"^neuronx-cc==(\S+)$", (ROOT / "constraints" / "neuron.txt").read_text(), re.M)
 GRACE_PERIOD_S = 3600  # the trn2 launcher's terminationGracePeriodSeconds (docs/kubernetes.md)
 WORKLOADS = ("Deployment", "DaemonSet", "Job", "ScaledJob")
 # The trn2 launcher's capabilities (components/trn2/launcher.yaml): what running stages as runner users takes, and the
@@ -488,9 +490,8 @@ def test_keda_starts_the_trn2_launchers_from_zero_as_jobs_it_never_stops() -> No
         idle_s >= 10 * spec["pollingInterval"]
     )  # many polls: a burst's next jobs find its pods up, not gone and restarted
     trigger = cores_wanted_trigger()
-    [compiler] = re.findall(r"^neuronx-cc==(\S+)$", (ROOT / "constraints" / "neuron.txt").read_text(), re.M)
     metadata = trigger["metadata"]
-    assert re.findall(r"queue LIKE '([^']*)'", metadata["query"]) == [compiler_queues_like("neuron", compiler)]
+    assert re.findall(r"queue LIKE '([^']*)'", metadata["query"]) == [compiler_queues_like("neuron", IMAGE_COMPILER)]
     assert metadata["targetQueryValue"] == str(HOST_CORES) and trigger["type"] == "postgresql"
     auths = of_kind("trn2-autoscaled", "TriggerAuthentication")
     parameters = {r["parameter"] for r in auths[trigger["authenticationRef"]["name"]]["spec"]["secretTargetRef"]}
@@ -505,11 +506,10 @@ def test_keda_counts_the_cores_of_the_queued_and_running_jobs_of_every_stack_on_
 ) -> None:
     """The trigger's query, run on PostgreSQL: the cores of the queued and running jobs of every stack on the image's
     neuronx-cc (two TorchNeuron builds here) and every size, not a judged or finished one's, nor another compiler's."""
-    [compiler] = re.findall(r"^neuronx-cc==(\S+)$", (ROOT / "constraints" / "neuron.txt").read_text(), re.M)
     image = RuntimeInfo(
         backend="neuron",
         compiler_name="neuronx-cc",
-        compiler_version=compiler,
+        compiler_version=IMAGE_COMPILER,
         library_version="5.24.0",
         torch_version="2.13.0",
         torch_neuronx_version="2.13.3.0.1",
@@ -524,7 +524,7 @@ def test_keda_counts_the_cores_of_the_queued_and_running_jobs_of_every_stack_on_
                                       pipeline_tag=None)  # fmt: skip
                 submission.submit(session, model, None, [rt], cores=cores)
         session.flush()
-        mine = sa.select(Job).where(Job.cores == 16, Job.compiler_version == compiler).order_by(Job.id)
+        mine = sa.select(Job).where(Job.cores == 16, Job.compiler_version == IMAGE_COMPILER).order_by(Job.id)
         running, judging, *_ = session.scalars(mine).all()
         running.state, judging.state = JobState.running, JobState.judging  # a judged job holds no accelerator
         session.commit()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -31,8 +30,8 @@ from shared.jobs.queues import job_queue
 from shared.jobs.reconcile import mark_queue_live
 from shared.jobs.runtimes import NoRuntime, default_runtime, plan_runtimes, refuse_other_fleet
 from shared.settings import Settings, get_settings
-from tests.conftest import ROOT, RUN_DIR, fresh_database
-from tests.test_kubernetes import KUBE, OVERLAYS, WORKLOADS, kubectl, pod_spec
+from tests.conftest import RUN_DIR, fresh_database
+from tests.test_kubernetes import IMAGE_COMPILER, KUBE, OVERLAYS, WORKLOADS, kubectl, pod_spec
 from tests.test_kubernetes import component as component_of
 from tests.test_stack_identity import NEURON
 
@@ -106,8 +105,7 @@ def test_post_jobs_says_why_no_neuron_stack_can_be_planned(fresh_api: tuple[Any,
         assert session.scalar(sa.select(sa.func.count()).select_from(Job)) == 0  # nothing planned, nothing queued
 
 
-# The neuron image's compiler, and a fleet of it, as `python -m services.worker --describe` prints its runtime.
-[IMAGE_COMPILER] = re.findall(r"^neuronx-cc==(\S+)$", (ROOT / "constraints" / "neuron.txt").read_text(), re.M)
+# A fleet of the neuron image's compiler, as `python -m services.worker --describe` prints its runtime.
 FLEET = RuntimeInfo(
     backend="neuron", compiler_name="neuronx-cc", compiler_version=IMAGE_COMPILER,
     compiler_build=f"{IMAGE_COMPILER}+a1b2c3d4",
@@ -169,14 +167,10 @@ def test_under_each_overlays_environment_a_job_with_no_worker_live_lands_on_the_
     as shipped (its API and launchers are one image) — an API pod's environment, on the cpu image (no TorchNeuron
     here), with no worker live and none ever seen, plans a submitted job for the fleet's stack: on exactly the queue
     the fleet's launchers consume, whose Redis list holds the job (a trn2 fleet's: no worker here takes it), and
-    which the overlay's KEDA trigger of its size counts (its query run on PostgreSQL) where the overlay scales on
-    one."""
-    [compiler] = re.findall(r"^neuronx-cc==(\S+)$", (ROOT / "constraints" / "neuron.txt").read_text(), re.M)
+    whose cores the overlay's KEDA trigger counts (its query run on PostgreSQL) where the overlay scales on one."""
     declared = {}
     if overlay != "cpu-dev":
-        declared = {
-            "SUPPORTMATRIX_FLEET_RUNTIME": FLEET.model_copy(update={"compiler_version": compiler}).model_dump_json()
-        }
+        declared = {"SUPPORTMATRIX_FLEET_RUNTIME": FLEET.model_dump_json()}
     docs = rendered_with(overlay, tmp_path, declared)
     here = {"data_dir": DESCRIBED, "export_dir": tmp_path / "export", "cache_dir": tmp_path / "cache"}
     # what the fleet's launchers serve: the declared runtime, or (cpu-dev) what a launcher of this image describes
