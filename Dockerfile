@@ -30,6 +30,7 @@ COPY README.md alembic.ini ./
 COPY migrations/ migrations/
 COPY shared/ shared/
 COPY services/ services/
+COPY tasks/ tasks/
 COPY deploy/healthcheck.py deploy/healthcheck.py
 COPY scripts/trn2_check.py scripts/trn2_check.py
 RUN pip install --no-deps -e .

@@ -4,7 +4,7 @@
 
 Everything runs the project's own code: ``TextGeneration.accelerator`` (the cpu backend's ``torch.compile``,
 inductor, a static cache), ``TextGeneration.reference`` (eager, teacher-forced scoring through ``generate``),
-``TextGeneration.conclude`` and so ``shared.results.verdict.decide`` with ``Tolerances.for_dtype``. Single-core
+``TextGeneration.conclude`` and so ``tasks.text_generation.verdict.decide`` with ``Tolerances.for_dtype``. Single-core
 runs go in this process (the compiled graphs come from inductor's warm on-disk cache after the first run of an
 architecture: ``torch._dynamo.reset()`` before each run, so that no model runs a graph traced for another);
 tensor-parallel runs go through the runner CLI (``python -m services.runner … --local-dir DIR --cores N``),
@@ -203,10 +203,10 @@ class _Bench:
         from services.runner.failures import RunFailure
         from services.runner.faults import SCALED
         from services.runner.specs import AcceleratorSpec, ReferenceSpec
-        from services.runner.tasks.text_generation import TextGeneration
         from shared.contracts.enums import Task
         from shared.contracts.handoffs import Artifacts
         from shared.contracts.report import Subject
+        from tasks.text_generation.runner import TextGeneration
 
         scale = SCALED.get(fault or "", scale)
         run = Run(kind=kind, arch=arch, seed=seed, cores=1, threads=threads, dtype=dtype, scale=scale)
@@ -400,7 +400,7 @@ def _fmt(value: float | None, spec: str = ".3g") -> str:
 
 
 def summarize(runs: list[Run]) -> dict[str, Any]:
-    from shared.testconfig import Tolerances
+    from tasks.text_generation import Tolerances
 
     tol = Tolerances.for_dtype("bfloat16")
     benign = [r for r in runs if r.kind == "benign" and r.rule != "error"]
@@ -524,8 +524,8 @@ def what_if(runs: list[Run]) -> list[dict[str, Any]]:
     """Every single-core run re-decided by ``decide`` under candidate tolerances: the worst divergent step stands
     for all (a step fails when its rank or its gap is beyond the tolerance, so the worst gap and rank decide)."""
     from shared.contracts.evidence import Evidence, StepEvidence
-    from shared.results.verdict import decide
-    from shared.testconfig import Tolerances
+    from tasks.text_generation import Tolerances
+    from tasks.text_generation.verdict import decide
 
     base = Tolerances.for_dtype("bfloat16")
     done = [r for r in runs if r.rule != "error" and r.prefill_rel_error is not None]
@@ -581,7 +581,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         f"{summary['routing_excused']}). Smallest shard scale caught on every "
         f"architecture: {_fmt(summary['smallest_scale_all'])}; on some: {_fmt(summary['smallest_scale_any'])}."
     )
-    code = summary["what_if"][0]  # the tolerances in shared/results/verdict.py, every run re-decided
+    code = summary["what_if"][0]  # the tolerances in tasks/text_generation/verdict.py, every run re-decided
     false_fails = code["dense"] + code["moe"]
     lines.append("")
     lines.append(
@@ -767,7 +767,8 @@ def execute_outputs(bench: _Bench, log: Any) -> list[OutputRun]:
 
 def outputs_markdown(runs: list[OutputRun], meta: dict[str, Any]) -> str:
     """Each (task, kind)'s verdicts and the range of its agreement measures; where each bf16 threshold sits."""
-    from shared.testconfig import ImageTolerances, similarity_threshold
+    from tasks.feature_extraction import similarity_threshold
+    from tasks.text_to_image import ImageTolerances
 
     lines = [
         OUTPUTS_HEADING,
@@ -936,8 +937,8 @@ def moe_decision(run: Run, routing_tie: float, counterfactual: bool = True, deco
     ``decode``: another decode tolerance (rule version 7; infinite: no decode check, as version 6). A dense run has no
     flips: the same call re-decides it."""
     from shared.contracts.evidence import Evidence, RoutingFlip, StepEvidence
-    from shared.results.verdict import decide
-    from shared.testconfig import Tolerances
+    from tasks.text_generation import Tolerances
+    from tasks.text_generation.verdict import decide
 
     steps = [StepEvidence(**step) for step in run.extra.get("steps") or []]
     # the counterfactual's (rule version 5; none in older runs)
@@ -963,7 +964,7 @@ def redecided(run: Run) -> Run:
     """A recorded run decided again by the code's rule from its recorded evidence (``moe_decision``, which reproduces
     every verdict of the rule version it ran under): the calibration of a rule version that changes only how evidence
     is decided, from the runs of the one before. Where the verdict moved, the one it had is kept in ``extra``."""
-    from shared.testconfig import Tolerances
+    from tasks.text_generation import Tolerances
 
     if run.rule == "error":
         return run
@@ -981,8 +982,8 @@ def moe_decide_v2(run: Run) -> str:
     alone (0.05: its routing_tie) — the prompt's smallest for the prefill, each far step's own — never asking
     whether the routing flipped."""
     from shared.contracts.evidence import StepEvidence
-    from shared.results.verdict import is_near_tie
-    from shared.testconfig import Tolerances
+    from tasks.text_generation import Tolerances
+    from tasks.text_generation.verdict import is_near_tie
 
     tol, tie = Tolerances.for_dtype("bfloat16"), 0.05
     routed = (run.prefill_rel_error or 0.0) > tol.prefill
@@ -1085,7 +1086,7 @@ def decode_what_if(done: list[Run], moe_archs: set[str], tol: Any) -> list[str]:
 
 def _redecided_note(runs: list[Run], recorded_under: int | None) -> list[str]:
     """What a --redecide summary says of itself: the runs' own version, and every verdict that moved."""
-    from shared.testconfig import VERDICT_RULE_VERSION
+    from tasks.text_generation import VERDICT_RULE_VERSION
 
     if recorded_under is None:
         return []
@@ -1101,7 +1102,7 @@ def _redecided_note(runs: list[Run], recorded_under: int | None) -> list[str]:
 
 
 def moe_markdown(runs: list[Run], not_run: list[str], meta: dict[str, Any]) -> str:
-    from shared.testconfig import VERDICT_RULE_VERSION, Tolerances
+    from tasks.text_generation import VERDICT_RULE_VERSION, Tolerances
 
     tol = Tolerances.for_dtype("bfloat16")
     done = [r for r in runs if r.rule != "error"]

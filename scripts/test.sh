@@ -16,7 +16,7 @@ export SUPPORTMATRIX_TEST_IMPORT_S
 checks=.data/checks
 rm -rf "$checks" && mkdir -p "$checks"
 (
-    .venv/bin/mypy shared services >"$checks/mypy.log" 2>&1 || echo mypy >>"$checks/failed" # [tool.mypy] in pyproject.toml
+    .venv/bin/mypy shared services tasks >"$checks/mypy.log" 2>&1 || echo mypy >>"$checks/failed" # [tool.mypy] in pyproject.toml
     # docs/: a broken link or an unlisted page fails
     NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir .data/site >"$checks/mkdocs.log" 2>&1 ||
         echo mkdocs >>"$checks/failed"

@@ -20,7 +20,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.contracts.enums import BackendName, Fault, JudgeKind, Task
+from shared.contracts.enums import BackendName, Fault, JudgeKind
 from shared.contracts.run import RuntimeInfo
 
 
@@ -315,7 +315,8 @@ class ControlSettings(ServiceSettings):
     # Sweeps: every sweep_every_s seconds (0: never by schedule), per task the top sweep_limit trending and
     # most-downloaded models, plus the pinned selection ("org/name" or "org/name:task").
     sweep_every_s: Operational[float] = Field(0, ge=0)
-    sweep_tasks: Operational[list[str]] = ["text-generation", "feature-extraction", "text-to-image"]
+    # None: every task whose declaration sweeps (tasks.SWEPT_TASKS)
+    sweep_tasks: Operational[list[str] | None] = None
     sweep_limit: Operational[int] = Field(20, ge=1, le=1000)
     sweep_selected: Operational[list[str]] = []
     sweep_rerun_flips: Operational[int] = Field(
@@ -360,14 +361,6 @@ def withheld(name: str) -> Withheld | None:
 
 
 VERDICT_SETTINGS = tuple(sorted(name for name in Settings.model_fields if setting_role(name) == SettingRole.verdict))
-
-
-def verdict_settings(settings: Settings, task: str, cores: int) -> dict[str, object]:
-    """The values of the settings that decide the verdict of a job of ``task`` over ``cores`` (``SettingRole.verdict``),
-    as its identity hashes them: a sharded text-generation run's; none for any other."""
-    if task != Task.text_generation.value or cores <= 1:
-        return {}
-    return {name: getattr(settings, name) for name in VERDICT_SETTINGS}
 
 
 @lru_cache

@@ -1,7 +1,8 @@
-"""What a test runs, per task, and the tolerances it is judged by: defined once, hashed into every job's identity.
+"""A job's test: its task's test config (``tasks.<task>``, defined once there) and the settings that decide its
+verdict, hashed into every job's identity.
 
-A change here (another prompt, more tokens, other sentences, any threshold of the verdict) is a new test: jobs made
-under the old configuration do not count as done for the new one.
+A change of a task's test config (another prompt, more tokens, other sentences, any threshold of the verdict) is a
+new test: jobs made under the old configuration do not count as done for the new one.
 """
 
 from __future__ import annotations
@@ -9,187 +10,31 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 
 from shared.contracts.enums import Task
-from shared.settings import Settings, verdict_settings
-
-PROMPT = "The history of the printing press begins in"
-NEW_TOKENS = 32
-# Past the 32 tokens the verdict reads: a longer greedy generation against the reference's (every static cache is
-# sized for it, so no run compiles twice), and the timed generations of the performance tier.
-LONG_NEW_TOKENS = 256
-PERF_NEW_TOKENS = 64
-# Time-to-first-token samples of a row: enough that its p99 is a percentile (np.percentile's, interpolated
-# between the 99th and 100th of 100 sorted samples), not the slowest of a few generations. Not in the test config:
-# a count of timings changes no output, and a stored reference's key must not move with it.
-TTFT_SAMPLES = 100
-SENTENCES = [
-    "The history of the printing press begins in the fifteenth century.",
-    "A quick brown fox jumps over the lazy dog.",
-    "Compilers turn programs into instructions that a machine can run.",
-    "Trainium is a machine learning accelerator built by AWS.",
-    "Il pleut sur la ville depuis ce matin.",
-]
-# The rule's own logic (a new rule in decide, say): bumped by hand. Its tolerances are hashed in as they are, so
-# changing any threshold makes a new test without a bump.
-# 2: after a routing near-tie, a far divergent step is decided by likelihood. 3: a MoE's routing near-tie excuses
-# (the prefill, a far divergent step) only where the accelerator's recorded experts really differ from the
-# reference's there, at the roots of the flips (shared.results.verdict.routing_roots), each at a near tie.
-# 4: a flip's margin is the reference's gap between the experts that really swapped (no expert, or one from outside
-# its top k+2: no near tie), and a root is each position's lowest flip: an earlier position's flip explains none.
-# 5: the counterfactual: a MoE's flips excuse the prefill, or a far step, only where the reference re-run with the
-# accelerator's experts forced matches its prefill within the dtype's tolerance, or nearly picks its token there; and
-# where it explains the flips, the text is weighed under it too (against its own best picks on the same prefix).
-# 6: the reference keeps its top k+8 router logits (services.runner.routing.EXTRA_LOGITS; k+2 before): a flip to an
-# expert between them is measured, where it was no near tie at all.
-# 7: every decode step's logits are checked as the prefill's are, at the reference's top DECODE_TOP logits on the same
-# prefix (a stored reference keeps them): a fault of the decode alone (a cache position off by one) moves them while
-# the 32 tokens match; a MoE's step past it is excused only where the routing flipped at near ties by then and the
-# counterfactual's step matches.
-# 8: rule 4 fails a text less likely than the reference's own only where some divergent step is no near tie: a
-# benign 24-layer dense bf16 run whose one divergence was an exact tie followed the reference's own best picks from
-# there, 0.33 nats per token below the reference's text (another greedy path, no error), and failed under version 7.
-VERDICT_RULE_VERSION = 8
-# How many of the reference's largest logits each decode step is compared at: what greedy picks from and more, and
-# few enough that a stored reference keeps every step's (32 x 64 logits and ids, not 32 x the vocabulary)
-DECODE_TOP = 64
-DTYPES = ("float32", "bfloat16")  # the run dtypes of the backends (shared.hub.sizing.run_dtype)
-
-
-@dataclass(frozen=True)
-class Tolerances:
-    """What the text-generation verdict (``shared.results.verdict.decide``) tolerates, per run dtype."""
-
-    prefill: float  # ||acc - ref|| / ||ref|| of the prefill logits (Comparison.prefill_rel_error)
-    # the same at each decode step, over the reference's top DECODE_TOP logits on the accelerator's prefix
-    decode: float
-    near_tie_gap: float  # nats between the reference's best token and the accelerator's
-    top_k: int
-    loglik_slack: float  # nats per token the accelerator's text may lose against the reference's
-    # A MoE's prefill may differ by up to ``routing_cap`` where the run's routing flipped at near ties of the
-    # reference's (router margins of at most ``routing_tie``) and the counterfactual matches its prefill: that run is
-    # decided by its tokens.
-    routing_tie: float = 0.0
-    routing_cap: float = 0.0
-
-    @classmethod
-    def for_dtype(cls, dtype: str) -> Tolerances:
-        if dtype == "float32":
-            return cls(prefill=1e-3, decode=1e-3, near_tie_gap=1e-3, top_k=5, loglik_slack=0.05)
-        # bf16 / fp16 keep 8-11 bits of mantissa. Measured by bench/calibrate_verdict.py (BENCHMARKS.md, *Verdict
-        # calibration*: 203 benign bf16 runs of 10 architectures, graded faults):
-        # - prefill 0.04: dense benign runs reach 0.0244 (1.6x margin); a 10 % scaled shard reaches 0.0487 on
-        #   GPT-2, which 0.05 missed. A MoE router near-tie flipped by bf16 reaches 0.098 — no threshold that
-        #   catches faults separates that; the bench reports it as the miss.
-        # - near-tie gap 0.3 nats: dense benign gaps reach 0.094; 0.2 would catch two more off-by-one cache
-        #   positions on these tiny models (logits of 1-4), but a real model's logits of 30-60 round in bf16
-        #   steps of 0.125-0.25 nats, so 0.3 stays until trn2 rows say otherwise.
-        # - top-5 and 0.3 nats of likelihood slack: benign runs reach rank 1 and a 0.141 drop; one benign run of the
-        #   24-layer dense fixture (dense-llama-24x32, the MoE calibration) dropped 0.326 after an exact tie, which
-        #   rule version 8 leaves to rule 5 (every divergence a near tie): the slack weighs texts with a far step.
-        # - decode 0.04 (rule version 7: each decode step's top logits on the accelerator's prefix): benign dense runs
-        #   reach 0.020, benign MoE runs a median 0.037 (their flips excuse the rest: the counterfactual's <= 0.023);
-        #   an off-by-one decode position moves a median 0.15. At 0.03, 14 of 250 benign MoE runs would fail.
-        # - routing (*Verdict calibration: MoE at a real router shape*: 250 benign runs at 24 layers x 64 experts, 50
-        #   of them over 2 EP ranks, 0 FAIL): a flip that excuses must sit at a margin of at most 0.25. Benign bf16
-        #   roots reach 0.219 (0.02, the earlier value, fails 110 of the 250; 0.1 fails 8): a deep layer's router reads
-        #   a hidden state that bf16 has moved through every layer below, not one rounding step. What tells a fault
-        #   from rounding is the counterfactual (rule version 5: the reference forced to the accelerator's experts
-        #   must match its prefill within ``prefill``): benign runs' forced error stays <= 0.029; 10 % scaled shards'
-        #   reached 0.044-0.15, one 0.033 (missed). The margin still fails a router that flips at a clear margin,
-        #   which forcing would reproduce. An absolute logit gap: a real router's larger logits on trn2 round in larger
-        #   steps. The prefill error flipped experts move reached 0.18 in benign runs, which the counterfactual
-        #   explained: routing_cap 0.3 bounds what a flip may excuse at all; a dropped layer's is ~1.
-        return cls(
-            prefill=4e-2, decode=4e-2, near_tie_gap=0.3, top_k=5, loglik_slack=0.3, routing_tie=0.25, routing_cap=0.3
-        )
-
-
-@dataclass(frozen=True)
-class LongTolerances:
-    """How the long-generation check reads its text (``shared.results.verdict.long_outcome``), windows of
-    ``window`` positions. A benign divergence late in a long bf16 generation is expected: the divergent text stays
-    about as likely under the reference as the reference's own. A window whose tokens lose more than
-    ``loglik_drop`` nats each is diverged; a last window whose ``ngram``-grams repeat more than ``repetition``
-    of the time, ``repetition_margin`` more than the reference's, collapsed."""
-
-    window: int = 32
-    loglik_drop: float = 1.0
-    ngram: int = 4
-    repetition: float = 0.5
-    repetition_margin: float = 0.25
-
-
-# feature-extraction: the lowest cosine similarity to the reference that passes. Measured by
-# bench/calibrate_verdict.py --tasks (BENCHMARKS.md, *Verdict calibration: embeddings and images*): 26 benign bf16
-# runs (tiny CLS / mean / normalized repos at 4 seeds and the real MiniLM, 1 and 2 threads) reach 0.99989 at
-# worst, 1 - cos of 1.1e-4: 0.999 keeps 9x of margin and catches every dropped layer and wrong pooling (0.17-0.66)
-# and the larger 10 % scaled shards (0.9976-0.9996; the rest stand as misses). fp32 on the CPU matched the reference
-# exactly (13 runs, cos 1.0): 0.9999 leaves an accelerator's fp32 reduction order room.
-SIMILARITY = {"float32": 0.9999, "bfloat16": 0.999}
-
-
-def similarity_threshold(dtype: str) -> float:
-    return SIMILARITY.get(dtype, SIMILARITY["bfloat16"])
-
-
-# text-to-image: one prompt, seed, size and step count; the reference starts from the same latents (drawn on the
-# CPU from the seed) with the same scheduler.
-IMAGE_PROMPT = "A lighthouse on a rocky coast at sunset, oil painting"
-IMAGE_SEED = 0
-IMAGE_SIZE = 128  # pixels a side: latents of 16 x 16 under Stable Diffusion's VAE (a factor of 8)
-IMAGE_STEPS = 8
-IMAGE_GUIDANCE = 5.0  # classifier-free guidance: the denoiser runs on a batch of two, as users run it
-
-
-@dataclass(frozen=True)
-class ImageTolerances:
-    """What the text-to-image verdict tolerates, per run dtype: the decoded image's PSNR (dB) and SSIM against the
-    reference's; both must hold. Measured by bench/calibrate_verdict.py --tasks (BENCHMARKS.md, *Verdict
-    calibration: embeddings and images*): the thresholds sit between benign runs and planted faults."""
-
-    psnr_db: float
-    ssim: float
-
-    @classmethod
-    def for_dtype(cls, dtype: str) -> ImageTolerances:
-        if dtype == "float32":  # 8 fp32 runs on the CPU drew the reference's image exactly (100 dB, SSIM 1): the
-            return cls(psnr_db=45.0, ssim=0.999)  # bounds leave an accelerator's fp32 reduction order room
-        # bf16, measured on 16 benign runs of a UNet and a DiT pipeline (4 seeds, 1 and 2 threads): PSNR 44.4 dB and
-        # SSIM 0.9989 at worst; a dropped denoiser block reaches 32.2 dB / 0.987 at best. 38 dB and 0.99 sit between,
-        # ~6 dB from each side; a 10 % scaled attention shard moves these tiny images by < 2 dB and stays a miss.
-        return cls(psnr_db=38.0, ssim=0.99)
+from shared.settings import VERDICT_SETTINGS, Settings
+from tasks import SHARDED_TASKS, declaration
 
 
 def test_config(task: str) -> dict[str, object]:
-    """Everything that decides what a ``task`` test runs and how it is judged, read from the definitions above
-    when asked (so that no copy of a threshold can fall behind)."""
-    if task == Task.text_generation.value:
-        tolerances = {dtype: asdict(Tolerances.for_dtype(dtype)) for dtype in DTYPES}
-        tiers = {
-            "long_new_tokens": LONG_NEW_TOKENS,
-            "long": asdict(LongTolerances()),
-            "perf_new_tokens": PERF_NEW_TOKENS,
-        }
-        return {"prompt": PROMPT, "new_tokens": NEW_TOKENS, "rule": VERDICT_RULE_VERSION, "tolerances": tolerances,
-                "decode_top": DECODE_TOP, **tiers}  # fmt: skip
-    if task == Task.feature_extraction.value:
-        similarity = {dtype: similarity_threshold(dtype) for dtype in DTYPES}
-        pooling = "the repo's sentence-transformers modules, else mean over the mask, normalized"
-        return {"sentences": SENTENCES, "pooling": pooling, "rule": VERDICT_RULE_VERSION, "similarity": similarity}
-    if task == Task.text_to_image.value:
-        tolerances = {dtype: asdict(ImageTolerances.for_dtype(dtype)) for dtype in DTYPES}
-        return {"prompt": IMAGE_PROMPT, "seed": IMAGE_SEED, "size": IMAGE_SIZE, "steps": IMAGE_STEPS,
-                "guidance": IMAGE_GUIDANCE, "rule": VERDICT_RULE_VERSION, "tolerances": tolerances}  # fmt: skip
-    raise KeyError(task)
+    """Everything that decides what a ``task`` test runs and how it is judged, read from its declaration when asked
+    (so that no copy of a threshold can fall behind)."""
+    return declaration(task).config()
 
 
-def config_hash(task: str, verdict_settings: Mapping[str, object] | None = None) -> str:
-    """A job's test: ``task``'s test config and the settings that decide its verdict (``shared.settings.
-    verdict_settings``: a sharded text-generation run's judge and MoE split). Without them (none decide it, or a
+def verdict_settings(settings: Settings, task: str, cores: int) -> dict[str, object]:
+    """The values of the settings that decide the verdict of a job of ``task`` over ``cores`` (``SettingRole.verdict``),
+    as its identity hashes them: a sharded run's (a task that shards: text-generation); none for any other."""
+    if Task(task) not in SHARDED_TASKS or cores <= 1:
+        return {}
+    return {name: getattr(settings, name) for name in VERDICT_SETTINGS}
+
+
+def config_hash(task: str, deciding: Mapping[str, object] | None = None) -> str:
+    """A job's test: ``task``'s test config and the settings that decide its verdict (``deciding``, from
+    ``verdict_settings``: a sharded text-generation run's judge and MoE split). Without them (none decide it, or a
     CPU reference's key, which no setting changes), the test config's alone."""
-    settings = {"settings": dict(verdict_settings)} if verdict_settings else {}
+    settings = {"settings": dict(deciding)} if deciding else {}
     body = json.dumps({"task": task, **test_config(task), **settings}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:16]
 

@@ -26,6 +26,14 @@ import pytest
 from shared.processes import free_port
 from testing.services import Started, ensure_postgres, ensure_redis
 
+
+def runner_paths() -> list[Path]:
+    """The runner's modules: services/runner and each task's torch half (tasks/<name>/ but its declaration, the
+    package's __init__)."""
+    halves = [p for p in (ROOT / "tasks").glob("*/*.py") if p.name != "__init__.py"]
+    return sorted([*(ROOT / "services" / "runner").rglob("*.py"), *halves])
+
+
 ROOT = Path(__file__).resolve().parent.parent
 RUN_DIR = Path(tempfile.mkdtemp(prefix="supportmatrix-tests-"))
 RUN_DIR.chmod(0o711)  # the runner users of tests/test_isolation.py pass through to its directories, and list nothing

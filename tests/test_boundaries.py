@@ -1,5 +1,6 @@
-"""The lines the design never crosses: the API and the worker process never import torch or the runner; the
-runner never imports a database or broker client; a runner's environment holds no secret it is not given."""
+"""The lines the design never crosses: the API and the worker process never import torch, the runner or a task's
+torch half (only its declaration); the runner never imports a database or broker client; a runner's environment
+holds no secret it is not given."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, runner_paths
 
 
 @pytest.mark.parametrize("module", ["services.api.main", "services.worker.tasks", "services.worker.__main__"])
@@ -19,7 +20,8 @@ def test_services_do_not_import_torch_or_the_runner(module: str) -> None:
     code = (
         f"import importlib, sys; importlib.import_module({module!r}); "
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'transformers', "
-        "'services.runner'))); print(bad); sys.exit(1 if bad else 0)"
+        "'services.runner')) or (m.startswith('tasks.') and m.count('.') > 1)); print(bad); "
+        "sys.exit(1 if bad else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -30,17 +32,18 @@ def test_services_do_not_import_torch_or_the_runner(module: str) -> None:
 # on results and tokens; the job rules on top.
 FLOORS = [
     {"shared.contracts"},
-    {"shared.settings", "shared.testconfig", "shared.installed", "shared.cores", "shared.processes",
+    {"shared.settings", "shared.installed", "shared.cores", "shared.processes",
      "shared.zygote_client", "shared.isolation"},
     {"shared.db", "shared.hub"},
-    {"shared.auth", "shared.results"},
+    {"tasks"},  # the tasks' declarations (tasks/<name>/__init__.py); their torch halves are the runner's
+    {"shared.testconfig", "shared.auth", "shared.results"},
     {"shared.jobs"},
 ]  # fmt: skip
 
 
 def _floor(module: str) -> int:
-    """The floor of ``shared.x.y``: that of its package ``shared.x``."""
-    package = ".".join(module.split(".")[:2])
+    """The floor of ``shared.x.y``: that of its package ``shared.x``; of a task's declaration, the tasks'."""
+    package = "tasks" if module.split(".")[0] == "tasks" else ".".join(module.split(".")[:2])
     [floor] = [i for i, rooms in enumerate(FLOORS) if package in rooms]
     return floor
 
@@ -57,10 +60,18 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_no_module_of_shared_imports_one_from_a_floor_above_and_the_contracts_import_nothing() -> None:
+    declarations = [
+        ROOT / "tasks" / "__init__.py",
+        ROOT / "tasks" / "declaration.py",
+        *ROOT.glob("tasks/*/__init__.py"),
+    ]
     modules = {
         ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
-        for path in (ROOT / "shared").rglob("*.py")
+        for path in [*(ROOT / "shared").rglob("*.py"), *declarations]
     }
+    halves = tuple(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts) for p in runner_paths() if p.parts[-3] == "tasks"
+    )
     upward, contracts = [], []
     for module, path in sorted(modules.items()):
         for imported in sorted(m for m in _imports(path) if m in modules):
@@ -69,13 +80,15 @@ def test_no_module_of_shared_imports_one_from_a_floor_above_and_the_contracts_im
             elif _floor(imported) > _floor(module):
                 upward.append(f"{module} imports {imported}")
         for imported in _imports(path):
+            # a declaration (or shared/) imports no torch half: tasks.<name>.runner is the runner's to import
+            assert not imported.startswith(halves), (module, imported)
             if module.startswith("shared.contracts"):
                 assert imported.split(".")[0] not in ("services", "testing", "sqlalchemy", "pyarrow"), (
                     module,
                     imported,
                 )
     assert contracts == [] and upward == []
-    assert all(m in modules for m in ("shared.contracts.report", "shared.jobs.outcomes", "shared.db.models"))
+    assert all(m in modules for m in ("shared.contracts.report", "shared.jobs.outcomes", "shared.db.models", "tasks"))
 
 
 def test_shared_imports_nothing_from_services() -> None:
@@ -88,10 +101,10 @@ def test_shared_imports_nothing_from_services() -> None:
 
 
 def test_the_runner_never_imports_a_database_a_broker_or_the_worker() -> None:
-    """The runner is a pure child: every module of it, imported, pulls in no SQL, Celery or Redis client."""
+    """The runner is a pure child: every module of it (each task's torch half too), imported, pulls in no SQL, Celery
+    or Redis client."""
     modules = sorted(
-        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        for path in (ROOT / "services" / "runner").rglob("*.py")
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for path in runner_paths()
     )
     code = (
         f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; "
@@ -100,7 +113,7 @@ def test_the_runner_never_imports_a_database_a_broker_or_the_worker() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "services.runner.stages" in modules and len(modules) > 15
+    assert "services.runner.stages" in modules and "tasks.text_generation.runner" in modules and len(modules) > 15
 
 
 SECRETS = {

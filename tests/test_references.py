@@ -89,12 +89,13 @@ def test_a_second_compiler_version_reusing_the_reference_still_checks_its_long_g
 def _steps(root: Path, vocab: int = 200) -> tuple[Artifacts, dict[str, Any]]:
     """A job's directory whose accelerator left 32 steps of logits, and a stored reference's top logits of the same
     steps: the reference's own run, on the accelerator's (the same) tokens."""
-    from services.runner.tasks.text_generation import top_logits
+    from services.runner.tasks.logits import top_logits
+    from tasks.text_generation import DECODE_TOP
 
     artifacts = Artifacts(root)
     steps = np.random.default_rng(0).normal(size=(32, vocab)).astype(np.float32) + 3.0
     np.save(artifacts.step_logits, steps)
-    tops = [top_logits(step) for step in steps]
+    tops = [top_logits(step, DECODE_TOP) for step in steps]
     return artifacts, {"step_top_ids": [ids for ids, _ in tops], "step_top_logits": [logits for _, logits in tops]}
 
 
@@ -104,7 +105,7 @@ def test_a_stored_reference_decides_the_long_generation_as_a_fresh_one_and_asks_
     """``TextGeneration.reuse`` alone: the same 32 and long tokens get the stored long log-probs (the accelerator's
     tokens are the reference's own); other long tokens, or a reference stored without its long generation (the tiers
     off), need the model; with the tiers off the long data is not needed."""
-    from services.runner.tasks.text_generation import TextGeneration
+    from tasks.text_generation.runner import TextGeneration
 
     tokens, long = list(range(32)), list(range(256))
     artifacts, tops = _steps(tmp_path)
@@ -129,9 +130,9 @@ def test_a_stored_reference_holds_each_decode_step_to_its_own_top_logits_as_a_fr
     moved step is measured against the stored run's top logits — the same prefix — and the run fails, as with a fresh
     reference. A reference stored before the steps' top logits were kept needs the model; so does a MoE's moved step
     after a flip (only the counterfactual can excuse it)."""
-    from services.runner.tasks.text_generation import TextGeneration
     from shared.contracts.handoffs import Routing
-    from shared.testconfig import Tolerances
+    from tasks.text_generation import Tolerances
+    from tasks.text_generation.runner import TextGeneration
 
     tokens = list(range(32))
     artifacts, tops = _steps(tmp_path)
@@ -167,8 +168,8 @@ def test_a_stored_moe_reference_is_reused_only_with_its_router_logits(tmp_path: 
     margins, no router logits) cannot give a flip its margin, so the model runs again; one with them gives the
     flips, each at the gap between the experts that swapped. A flip in the prompt may have moved the prefill, which
     only the counterfactual (the model made to choose the accelerator's experts) can excuse: the model runs again."""
-    from services.runner.tasks.text_generation import TextGeneration
     from shared.contracts.handoffs import Routing
+    from tasks.text_generation.runner import TextGeneration
 
     tokens = list(range(32))
     experts = [[[0, 1]]] * 2  # two positions, one layer, top-2

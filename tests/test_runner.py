@@ -229,7 +229,7 @@ def test_the_routing_recorder_keeps_each_forwards_experts_and_the_flips_read_the
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from services.runner.routing import RoutingForcer, RoutingRecorder
-    from shared.results.verdict import routing_flips
+    from tasks.text_generation.verdict import routing_flips
 
     torch.manual_seed(0)
     config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,

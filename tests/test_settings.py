@@ -23,9 +23,8 @@ from shared.settings import (
     withheld,
 )
 from shared.zygote_client import PER_CHILD_NAMES, SECRET_NAMES
-from tests.conftest import ROOT
+from tests.conftest import ROOT, runner_paths
 
-RUNNER = ROOT / "services" / "runner"
 # Every class a setting may be declared in: the processes' classes, of which Settings is the union.
 HOMES = [c for c in vars(shared.settings).values() if isinstance(c, type) and issubclass(c, RunnerSettings)]
 
@@ -36,7 +35,7 @@ def members(cls: type[BaseSettings]) -> set[str]:
 
 
 def runner_modules() -> list[tuple[Path, ast.Module]]:
-    return [(path, ast.parse(path.read_text(), filename=str(path))) for path in sorted(RUNNER.rglob("*.py"))]
+    return [(path, ast.parse(path.read_text(), filename=str(path))) for path in runner_paths()]
 
 
 def test_every_setting_is_declared_once_in_the_class_of_the_process_that_reads_it() -> None:

@@ -31,7 +31,7 @@ from shared.jobs.dispatch import QueueUnavailable, commit_and_enqueue
 from shared.jobs.queues import job_queue
 from shared.jobs.runtimes import RUNTIMES_SNAPSHOT_S
 from shared.jobs.submission import submit
-from shared.jobs.sweeps import candidates, open_sweep, run_sweep
+from shared.jobs.sweeps import candidates, open_sweep, run_sweep, swept_tasks
 from shared.settings import Settings, get_settings
 from tests.conftest import HUB_TOKEN, ROOT, RUN_DIR
 from tests.history import record
@@ -372,7 +372,7 @@ def test_text_to_image_is_swept_as_a_task_of_its_own(hub: Any, pipelines: Path) 
     hub.add("sweep/tiny-sd", pipelines / "tiny-sd", pipeline_tag="text-to-image", library_name="diffusers",
             trendingScore=70, downloads=90)  # fmt: skip
     try:
-        assert "text-to-image" in Settings().sweep_tasks
+        assert "text-to-image" in swept_tasks(Settings())  # every task that declares sweeps, by default
         settings = Settings(sweep_limit=1, sweep_selected=[], sweep_tasks=["text-to-image"])
         found = [(c.task, c.view, c.rank, c.model_id) for c in candidates(settings)]
         assert found == [

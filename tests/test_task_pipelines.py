@@ -169,7 +169,7 @@ def _expected_embeddings(model_dir: Path, pooling: str, normalize: bool) -> np.n
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from shared.testconfig import SENTENCES
+    from tasks.feature_extraction import SENTENCES
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     inputs = tokenizer(SENTENCES, padding=True, truncation=True, max_length=16, return_tensors="pt")

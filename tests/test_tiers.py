@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from services.runner.faults import SLOW_DECODE_S
-from services.runner.tasks import tiers
 from shared.contracts.enums import LongOutcome, Verdict
 from shared.contracts.report import RunReport
 from shared.contracts.run import RuntimeInfo
@@ -22,9 +21,9 @@ from shared.jobs.lease import acquire_lease
 from shared.jobs.outcomes import finish
 from shared.jobs.submission import submit
 from shared.results.cells import THROUGHPUT_NOISE_BAND, diff
-from shared.results.verdict import long_outcome, repetition
 from shared.settings import get_settings
-from shared.testconfig import LONG_NEW_TOKENS, PERF_NEW_TOKENS, LongTolerances
+from tasks.text_generation import LONG_NEW_TOKENS, PERF_NEW_TOKENS, LongTolerances, tiers
+from tasks.text_generation.verdict import long_outcome, repetition
 from tests.test_runner import run_local
 
 TIERS = {"SUPPORTMATRIX_PERF_ITERATIONS": "3", "SUPPORTMATRIX_LONG_GENERATION": "true"}

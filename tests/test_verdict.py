@@ -7,13 +7,14 @@ from typing import Any
 
 import pytest
 
-from shared import testconfig
 from shared.contracts.enums import Verdict
 from shared.contracts.evidence import Evidence, JudgeOutcome, RoutingFlip, StepEvidence
 from shared.contracts.handoffs import Routing
 from shared.contracts.report import Comparison, JudgeAudit
-from shared.results.verdict import decide, first_divergence, flip_margin, routing_flips, routing_roots
-from shared.testconfig import Tolerances, config_hash
+from shared.testconfig import config_hash
+from tasks import feature_extraction
+from tasks.text_generation import Tolerances
+from tasks.text_generation.verdict import decide, first_divergence, flip_margin, routing_flips, routing_roots
 
 BF16 = Tolerances.for_dtype("bfloat16")
 FP32 = Tolerances.for_dtype("float32")
@@ -180,7 +181,7 @@ def test_any_tolerance_is_part_of_the_test_so_changing_it_makes_a_new_one(monkey
     bf16 = Tolerances.for_dtype("bfloat16")
     monkeypatch.setattr(Tolerances, "for_dtype", classmethod(lambda cls, dtype: replace(bf16, prefill=0.05)))
     assert config_hash("text-generation") != before["text-generation"]
-    monkeypatch.setitem(testconfig.SIMILARITY, "bfloat16", 0.98)
+    monkeypatch.setitem(feature_extraction.SIMILARITY, "bfloat16", 0.98)
     assert config_hash("feature-extraction") != before["feature-extraction"]
 
 

@@ -14,8 +14,9 @@ from shared.db.models import Job
 from shared.hub.client import ResolvedModel
 from shared.jobs.lease import refuse_other_test
 from shared.jobs.submission import submit
-from shared.settings import VERDICT_SETTINGS, Settings, setting_role, verdict_settings
-from shared.testconfig import VERDICT_RULE_VERSION, config_hash, planned_config_hash
+from shared.settings import VERDICT_SETTINGS, Settings, setting_role
+from shared.testconfig import config_hash, planned_config_hash, verdict_settings
+from tasks.text_generation import VERDICT_RULE_VERSION
 from tests.history import runtime
 from tests.verdict_corpus import load, written_now
 

@@ -2,9 +2,9 @@
 written, under the ``VERDICT_RULE_VERSION`` it records. ``tests/test_verdict_corpus.py`` decides every case again:
 an outcome that moved while the version stayed is a change of the rule's logic that no row's identity shows.
 
-A case holds its evidence and the tolerances it was decided with, as they were: a threshold changed in
-``shared/testconfig.py`` is a new test by its hash already, and moves no case here. What the cases pin is the
-logic - which rule fires, in which order, with which excuses.
+A case holds its evidence and the tolerances it was decided with, as they were: a threshold changed in its task's
+declaration (``tasks/text_generation/__init__.py``) is a new test by its hash already, and moves no case here. What
+the cases pin is the logic - which rule fires, in which order, with which excuses.
 
 ``python -m tests.verdict_corpus`` writes the corpus afresh from the grid below and the rule as it is now: run it
 after raising ``VERDICT_RULE_VERSION``, and read the diff of ``tests/data/verdict_corpus.json``'s outcomes before
@@ -25,8 +25,9 @@ from pydantic import BaseModel
 
 from shared.contracts.evidence import Evidence, JudgeOutcome, RoutingFlip, StepEvidence
 from shared.contracts.report import Comparison, JudgeAudit
-from shared.results.verdict import decide, long_outcome
-from shared.testconfig import DTYPES, NEW_TOKENS, VERDICT_RULE_VERSION, LongTolerances, Tolerances
+from tasks.declaration import DTYPES
+from tasks.text_generation import NEW_TOKENS, VERDICT_RULE_VERSION, LongTolerances, Tolerances
+from tasks.text_generation.verdict import decide, long_outcome
 
 CORPUS = Path(__file__).parent / "data" / "verdict_corpus.json"
 REFERENCE = list(range(100, 100 + NEW_TOKENS))

@@ -11,8 +11,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from shared.contracts.enums import Task
 from shared.contracts.run import CoreCount, RuntimeInfo, Stack
 from shared.hub.client import MODEL_ID_PATTERN, REVISION_PATTERN, is_model_id, is_revision
-from shared.jobs.submission import TASK_BY_PIPELINE
 from shared.results.records import JobRecord, ResultRecord
+from tasks import TASK_BY_PIPELINE
 
 COMPILER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$"
 

@@ -2,7 +2,7 @@
 
 The accelerator records its chosen experts per position and layer; the reference the same, plus each router's top
 k+8 logits and their experts, so that a flip's margin is read between the experts that really swapped
-(``shared.results.verdict.routing_flips``). Routers that do not choose by raw-logit order get no record at all:
+(``tasks.text_generation.verdict.routing_flips``). Routers that do not choose by raw-logit order get no record at all:
 nothing is excused for them.
 """
 
@@ -177,7 +177,7 @@ class RoutingForcer:
     run them: a ``generate`` over the same prefix), weighted as the router weights its own: the softmax of its logits
     at those experts, normalized to one where the router's own weights are. The reference re-run so shows what the
     accelerator's routing alone does to the logits: where it reproduces the accelerator's, the flips explain the
-    difference; where it does not, something else made it (``shared.results.verdict.decide``).
+    difference; where it does not, something else made it (``tasks.text_generation.verdict.decide``).
 
     Forcing is checked, never assumed: at every call the hook first recomputes the router's own weights from its own
     logits and choice by that formula, and a router whose weights come otherwise (sparsemixer, per-expert scales,

@@ -41,9 +41,11 @@ from shared.hub.sizing import (
     size_model,
     unfit_class,
 )
-from shared.results.verdict import decide
 from shared.settings import RunnerSettings, inherited_environment
-from shared.testconfig import Tolerances, reference_key
+from shared.testconfig import reference_key
+from tasks import declaration
+from tasks.text_generation import Tolerances
+from tasks.text_generation.verdict import decide
 
 
 def run(request: RunRequest, settings: RunnerSettings) -> RunReport:
@@ -128,7 +130,7 @@ def accelerator_stage(request: RunRequest, backend: Backend, artifacts: Artifact
         report.placement = ranks_placement([r.placement for r in ranks], backend.exclusive_cores)
     except RunFailure as failure:
         # too large, or a task that runs whole split by force: no run of this model can say more
-        unrunnable = failure.error_class in (ErrorClass.too_large, unfit_class(request.task.value))
+        unrunnable = failure.error_class in (ErrorClass.too_large, unfit_class(declaration(request.task).sharded))
         return failed(report, failure, Verdict.SKIPPED if unrunnable else Verdict.ERROR)
     data = ranks[0]  # rank 0's outputs; peak memory is the most any rank used
     data.resources.peak_memory_bytes = max(r.resources.peak_memory_bytes or 0 for r in ranks)
@@ -193,9 +195,10 @@ def choose_cores(request: RunRequest, shape: ModelShape, backend: Backend) -> in
     if request.cores:
         return int(request.cores)
     memory = default_core_memory_bytes(backend.name, backend.settings.core_memory_gib)
-    sizing = size_model(shape, memory, run_dtype=backend.dtype, task=request.task.value)
+    whole = None if declaration(request.task).sharded else request.task.value
+    sizing = size_model(shape, memory, run_dtype=backend.dtype, whole=whole)
     if sizing.cores is None:
-        raise RunFailure(unfit_class(request.task.value), sizing.reason)
+        raise RunFailure(unfit_class(declaration(request.task).sharded), sizing.reason)
     return sizing.cores
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from services.runner.tasks import RUNNER_MODULES
 from shared.contracts.handoffs import create_anew, read_regular
 from shared.isolation import RunAs
 from shared.processes import no_new_privileges, run_as_child
@@ -51,6 +52,7 @@ PRELOAD = (
     "services.runner.stages",
     "services.runner.backends",
     "services.runner.tasks",
+    *RUNNER_MODULES,
 )
 REAP_EVERY_S = 0.05
 REQUEST_TIMEOUT_S = 1.0  # a requester writes its request as it connects; one that does not is not waited for

@@ -68,14 +68,11 @@ class ErrorClass(StrEnum):
 
 
 class Task(StrEnum):
+    """The tasks: each member is one line of the registry, and names its folder under tasks/ (``tasks.<name>``)."""
+
     text_generation = "text-generation"
     feature_extraction = "feature-extraction"  # transformers encoders, and sentence-transformers' own pipelines
     text_to_image = "text-to-image"  # diffusers pipelines
-
-
-# The tasks whose models are sharded over several cores (tensor or expert parallel); an encoder or a diffusers
-# pipeline runs whole on one core, and one that does not fit there gets a row saying so (unsupported_parallelism).
-SHARDED_TASKS = frozenset({Task.text_generation})
 
 
 class CacheOutcome(StrEnum):

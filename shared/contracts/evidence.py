@@ -1,4 +1,4 @@
-"""What the verdict rules on (``shared.results.verdict.decide``): the evidence of a text-generation run, and a
+"""What the verdict rules on (``tasks.text_generation.verdict.decide``): the evidence of a text-generation run, and a
 judge's answer. Frozen data, made by the runner's stages and ruled on by pure functions."""
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ class RoutingFlip:
     step: int  # the generation step whose token that position chose: 0 the prompt's last position, < 0 earlier ones
     layer: int  # the MoE layer, 0 the first
     # how close the reference came to the accelerator's choice there: its logit of an expert the accelerator dropped
-    # minus that of one it added, the largest such gap (shared.results.verdict.flip_margin); None: no near tie at all
-    # (no expert on a side, or an added expert outside the reference's top k+8; None, not inf: JSON has no infinity)
+    # minus that of one it added, the largest such gap (tasks.text_generation.verdict.flip_margin); None: no near tie
+    # at all (no expert on a side, or an added expert outside the reference's top k+8; None, not inf: JSON has no
+    # infinity)
     margin: float | None
 
 
@@ -77,7 +78,7 @@ class Evidence:
     # run that recorded no routing (then no divergence is excused as a flipped expert)
     routing_flips: Sequence[RoutingFlip] | None = None
     # each step's logits against the reference's on the same prefix, at the reference's top logits
-    # (services.runner.tasks.text_generation.top_logit_error; step 0 the prefill): None where none were compared, and
+    # (services.runner.tasks.logits.top_logit_error; step 0 the prefill): None where none were compared, and
     # then no decode step is checked; None at a step: its logits were not finite (rule 1's)
     step_rel_errors: Sequence[float | None] | None = None
     # MoE whose routing flipped: the accelerator's prefill against the reference re-run with the accelerator's experts

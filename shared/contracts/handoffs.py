@@ -30,7 +30,7 @@ class Routing(BaseModel):
     """A MoE's routing over one sequence: the experts each position chose at each MoE layer (positions x layers x k,
     the layers in depth order; -1: no expert, the router did not run) and, for the reference's, each router's top
     k+8 logits, best first, and their experts (positions x layers x k+8): the margin of a flip is read between the
-    experts that really swapped (``shared.results.verdict.routing_flips``)."""
+    experts that really swapped (``tasks.text_generation.verdict.routing_flips``)."""
 
     experts: list[list[list[int]]]
     top_logits: list[list[list[float]]] | None = None

@@ -73,18 +73,6 @@ def adapter_refusal(model_id: str, base_model: str | None) -> Refusal:
     return Refusal(Verdict.SKIPPED, ErrorClass.adapter, reason)
 
 
-def pipeline_refusal(model_id: str, files: Collection[str], tags: Collection[str]) -> Refusal | None:
-    """SKIPPED for a text-to-image repo that is no diffusers pipeline (no ``model_index.json``): a LoRA (an adapter,
-    without the base pipeline) or a single-file checkpoint, which a pipeline's from_pretrained does not load."""
-    if "model_index.json" in files:
-        return None
-    if "lora" in tags or any("lora" in f.lower() for f in files if f.endswith(".safetensors")):
-        reason = f"{model_id} is a LoRA for a diffusers pipeline, without the pipeline itself: test its base model"
-        return Refusal(Verdict.SKIPPED, ErrorClass.adapter, reason)
-    reason = f"{model_id} has no model_index.json: not a diffusers pipeline's layout (a single-file checkpoint?)"
-    return Refusal(Verdict.SKIPPED, ErrorClass.weights_format, reason)
-
-
 def format_refusal(model_id: str, files: Collection[str], library: str | None, tags: Collection[str]) -> Refusal | None:
     """SKIPPED(format) for a repo whose weights are only in a format from_pretrained does not load, else None."""
     if library == "mlx" or "mlx" in tags:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.contracts.enums import SHARDED_TASKS, ErrorClass, Task
+from shared.contracts.enums import ErrorClass
 from shared.contracts.run import CORE_SIZES
 
 GIB = 1 << 30
@@ -206,10 +206,10 @@ def split_refusal(shape: ModelShape, cores: int) -> str | None:
     return None
 
 
-def unfit_class(task: str) -> ErrorClass:
+def unfit_class(sharded: bool) -> ErrorClass:
     """Why a model that no core count holds gets no run: too large for 16 cores, or (a task that runs whole on
-    one core) no split the backend has."""
-    return ErrorClass.too_large if Task(task) in SHARDED_TASKS else ErrorClass.unsupported_parallelism
+    one core, not ``sharded``) no split the backend has."""
+    return ErrorClass.too_large if sharded else ErrorClass.unsupported_parallelism
 
 
 def size_model(
@@ -217,10 +217,11 @@ def size_model(
     core_memory_bytes: int,
     sizes: tuple[int, ...] = CORE_SIZES,
     run_dtype: str = RUN_DTYPE,
-    task: str = Task.text_generation.value,
+    whole: str | None = None,
 ) -> Sizing:
-    """The fewest of ``sizes`` cores that hold the model; a task that runs whole (not in ``SHARDED_TASKS``) one."""
-    if Task(task) not in SHARDED_TASKS:
+    """The fewest of ``sizes`` cores that hold the model; for a task that runs ``whole`` on one core (its name;
+    None: a task that shards), one."""
+    if whole is not None:
         sizes = sizes[:1]
     weights = weight_bytes(shape, run_dtype)
     refusals = []
@@ -237,8 +238,8 @@ def size_model(
         f"needs {smallest / GIB:.1f} GiB per core even on {sizes[-1]} cores "
         f"({weights / GIB:.1f} GiB of weights; {core_memory_bytes / GIB:.0f} GiB per core)"
     )
-    if Task(task) not in SHARDED_TASKS:
-        reason += f"; {task} runs whole on one core"
+    if whole is not None:
+        reason += f"; {whole} runs whole on one core"
     if shape.is_moe:
         replicated = weights * (1 - min(shape.expert_parameters / shape.parameters, 1.0)) if shape.parameters else 0
         reason += f"; {replicated / GIB:.1f} GiB of it outside the experts, on every core"

@@ -29,16 +29,7 @@ from shared.jobs.queues import job_queue
 from shared.jobs.runtimes import plan_runtimes
 from shared.settings import Settings, get_settings
 from shared.testconfig import planned_config_hash
-
-# The Hub's pipeline tags we know how to test, and the task each is tested as.
-TASK_BY_PIPELINE = {
-    "text-generation": Task.text_generation,
-    "feature-extraction": Task.feature_extraction,
-    "sentence-similarity": Task.feature_extraction,
-    "text-to-image": Task.text_to_image,
-}
-# A repo without a pipeline tag is tested as its library says, where the library has one task here.
-TASK_BY_LIBRARY = {"sentence-transformers": Task.feature_extraction, "diffusers": Task.text_to_image}
+from tasks import TASK_BY_LIBRARY, TASK_BY_PIPELINE, declaration
 
 
 class UnsupportedTask(ValueError):
@@ -181,10 +172,12 @@ def admit(
     model: ResolvedModel, settings: Settings, cores: int | None, task: Task = Task.text_generation
 ) -> tuple[int | None, Refusal | None]:
     """The cores a model runs on (``cores`` when forced, else sized), or why it gets a row without running. A
-    diffusers pipeline is read from its ``model_index.json`` and sized by all its components' weights."""
+    task is read from the file its declaration names (a diffusers pipeline's ``model_index.json``, sized by all its
+    components' weights), after the refusal it declares, if any."""
+    declared = declaration(task)
     if kinds.is_adapter_only(model.files):
         return cores, kinds.adapter_refusal(model.model_id, adapter_base(model))
-    if task == Task.text_to_image and (refusal := kinds.pipeline_refusal(model.model_id, model.files, model.tags)):
+    if declared.refusal and (refusal := declared.refusal(model.model_id, model.files, model.tags)):
         return cores, refusal
     refusal = kinds.format_refusal(model.model_id, model.files, model.library_name, model.tags)
     if refusal is not None:
@@ -194,7 +187,7 @@ def admit(
         reason = f"{model.model_id} needs trust_remote_code; {org} is not in SUPPORTMATRIX_REMOTE_CODE_ORGS"
         return cores, Refusal(Verdict.SKIPPED, ErrorClass.remote_code, reason)
     try:
-        config = read_json(model, "model_index.json" if task == Task.text_to_image else "config.json")
+        config = read_json(model, declared.config_file)
     except Gated as exc:
         return cores, Refusal(Verdict.SKIPPED, ErrorClass.gated, str(exc))
     except Unsizable as exc:
@@ -212,7 +205,8 @@ def admit(
     except Unsizable as exc:
         return None, Refusal(Verdict.ERROR, ErrorClass.unsizable, str(exc))
     memory = default_core_memory_bytes(settings.backend, settings.core_memory_gib)
-    sizing = size_model(shape, memory, run_dtype=run_dtype(settings.backend, settings.cpu_dtype), task=task.value)
+    whole = None if declared.sharded else task.value
+    sizing = size_model(shape, memory, run_dtype=run_dtype(settings.backend, settings.cpu_dtype), whole=whole)
     if sizing.cores is None:
-        return None, Refusal(Verdict.SKIPPED, unfit_class(task.value), sizing.reason)
+        return None, Refusal(Verdict.SKIPPED, unfit_class(declared.sharded), sizing.reason)
     return sizing.cores, None

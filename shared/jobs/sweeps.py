@@ -23,12 +23,15 @@ from shared.contracts.enums import JobState, SweepState, SweepView, Task, Verdic
 from shared.db.models import Job, Result, Sweep, SweepEntry, utcnow
 from shared.hub.client import HUB_RANKINGS, HubError, ModelNotFound, RevisionNotFound, list_top, resolve_model
 from shared.jobs.runtimes import NoRuntime, served_runtimes
-from shared.jobs.submission import TASK_BY_PIPELINE, Request, Submitted, submit_model
+from shared.jobs.submission import Request, Submitted, submit_model
 from shared.results.cells import CellStatus, cells
 from shared.settings import Settings
+from tasks import SWEPT_TASKS, declaration
 
-# Each task's pipeline tags, as submission maps them: one ranking per task over all its tags.
-PIPELINES = {task.value: [tag for tag, tagged in TASK_BY_PIPELINE.items() if tagged == task] for task in Task}
+
+def swept_tasks(settings: Settings) -> list[str]:
+    """The tasks a sweep lists models of: the configured ones, or every task whose declaration sweeps."""
+    return list(SWEPT_TASKS) if settings.sweep_tasks is None else settings.sweep_tasks
 
 
 @dataclass(frozen=True)
@@ -55,15 +58,16 @@ def open_sweep(
 
 def candidates(settings: Settings) -> list[Candidate]:
     """Per configured task: the pinned selection, then trending and downloads tops, each in rank order. A
-    listing holds only the pipeline tags we test (``PIPELINES``): a model tagged image-text-to-text, say, is never
-    a candidate; a selected one without a task is tested as its tag says, as POST /jobs would."""
+    listing holds only the pipeline tags we test (one ranking over a task's declared tags): a model tagged
+    image-text-to-text, say, is never a candidate; a selected one without a task is tested as its tag says, as
+    POST /jobs would."""
     found = []
     for rank, entry in enumerate(settings.sweep_selected, start=1):
         model_id, _, task = entry.partition(":")
         found.append(Candidate(model_id, task, SweepView.selected, rank))
-    for task in settings.sweep_tasks:
+    for task in swept_tasks(settings):
         for view in HUB_RANKINGS:
-            listed = list_top(PIPELINES[task], view, settings.sweep_limit)
+            listed = list_top(list(declaration(task).pipeline_tags), view, settings.sweep_limit)
             found += [Candidate(m.model_id, task, view, m.rank) for m in listed]
     return found
 
@@ -71,7 +75,7 @@ def candidates(settings: Settings) -> list[Candidate]:
 def run_sweep(session: Session, settings: Settings, sweep: Sweep) -> list[Submitted]:
     """Submit every candidate; returns what to enqueue after the caller commits. HubUnavailable propagates."""
     sweep.state = SweepState.running
-    sweep.config = {"tasks": settings.sweep_tasks, "limit": settings.sweep_limit, "selected": settings.sweep_selected}
+    sweep.config = {"tasks": swept_tasks(settings), "limit": settings.sweep_limit, "selected": settings.sweep_selected}
     to_enqueue: list[Submitted] = []
     # A model in several views is submitted once; each view still gets its entry.
     submitted_before: dict[tuple[str, str], tuple[list[Submitted], str | None]] = {}

@@ -21,6 +21,7 @@ from shared.jobs.sweeps import progress
 from shared.results import views
 from shared.results.cells import THROUGHPUT_NOISE_BAND, diff, stacks
 from shared.results.records import query_results
+from tasks import DECLARATIONS, TASKS_DIR
 
 HERE = Path(__file__).resolve().parent.parent
 STATIC = HERE / "static"
@@ -29,7 +30,9 @@ PAGE_SIZE = 100
 SEARCH_MAX = 200
 
 router = APIRouter(include_in_schema=False)
-templates = Jinja2Templates(directory=HERE / "templates")
+# A task's own parts of the model page live in its folder (tasks/<name>/page.html, charts.html)
+templates = Jinja2Templates(directory=[HERE / "templates", TASKS_DIR])
+templates.env.globals["folders"] = {d.task.value: d.folder for d in DECLARATIONS.values()}
 
 
 def _filters(env: Any) -> None:

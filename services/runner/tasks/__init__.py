@@ -1,15 +1,15 @@
-"""Tasks: what is run on a checkpoint and how its outputs are compared. One class per task."""
+"""The runner's side of the tasks: what a task's torch half (``tasks/<name>/runner.py``, its ``RUNNER``) provides,
+and ``get_task``, which imports the half of the task a run needs and no other."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from functools import cache
+from importlib import import_module
+from typing import Any, Protocol, cast
 
 from services.runner.backends.base import Backend
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks.conclusion import Conclusion
-from services.runner.tasks.feature_extraction import FeatureExtraction
-from services.runner.tasks.text_generation import TextGeneration
-from services.runner.tasks.text_to_image import TextToImage
 from shared.contracts.enums import Task
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 
@@ -36,11 +36,13 @@ class TaskRunner(Protocol):
         ...
 
 
-TASKS: dict[Task, TaskRunner] = {t.name: t for t in (TextGeneration(), FeatureExtraction(), TextToImage())}
+RUNNER_MODULES = tuple(f"tasks.{task.name}.runner" for task in Task)  # what a zygote preloads
 
 
+@cache
 def get_task(name: str) -> TaskRunner:
     try:
-        return TASKS[Task(name)]
+        task = Task(name)
     except ValueError:
-        raise ValueError(f"unknown task {name!r}; known: {sorted(TASKS)}") from None
+        raise ValueError(f"unknown task {name!r}; known: {sorted(Task)}") from None
+    return cast(TaskRunner, import_module(f"tasks.{task.name}.runner").RUNNER)

@@ -11,7 +11,7 @@ from shared.contracts.enums import LongOutcome, Verdict
 from shared.contracts.evidence import Evidence
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, LongGeneration, Performance, RunReport
-from shared.results.verdict import Decision
+from tasks.text_generation.verdict import Decision
 
 NOT_RUN = LongGeneration(long_generation=LongOutcome.not_run)
 

@@ -50,7 +50,7 @@ from shared.contracts.enums import LongOutcome, Verdict
 from shared.contracts.evidence import Evidence, RoutingFlip, StepEvidence
 from shared.contracts.handoffs import Routing
 from shared.contracts.report import LongGeneration
-from shared.testconfig import DECODE_TOP, LongTolerances, Tolerances
+from tasks.text_generation import DECODE_TOP, LongTolerances, Tolerances
 
 
 def flip_margin(chosen: Sequence[int], expected: Sequence[int], logits: dict[int, float]) -> float | None:

@@ -3,7 +3,7 @@
 The pipeline is loaded from the repo's Hub layout (``model_index.json``) by ``DiffusionPipeline.from_pretrained``;
 its denoiser (a UNet or a transformer: what runs at every step) is compiled with the backend, the text encoder and
 the VAE run as the pipeline runs them. Both runs start from the same latents, drawn on the CPU from the test's
-seed, with the repo's own scheduler, prompt, size, step count and guidance (``shared.testconfig``). Resolution
+seed, with the repo's own scheduler, prompt, size, step count and guidance (``tasks.text_to_image``). Resolution
 binning is off and PixArt's caption cleaning too (it needs packages outside the pipeline): the image is drawn at
 the size asked. Verdict: PASS when the decoded image's PSNR and SSIM against the reference's both reach the
 dtype's tolerances (``ImageTolerances``), else FAIL. Both images are kept, small, as the row's evidence.
@@ -30,7 +30,7 @@ from services.runner.tasks.conclusion import ComparesOutputs, Conclusion
 from shared.contracts.enums import ErrorClass, Fault, Parallelism, Task, Verdict
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, Output, Resources
-from shared.testconfig import IMAGE_GUIDANCE, IMAGE_PROMPT, IMAGE_SEED, IMAGE_SIZE, IMAGE_STEPS, ImageTolerances
+from tasks.text_to_image import IMAGE_GUIDANCE, IMAGE_PROMPT, IMAGE_SEED, IMAGE_SIZE, IMAGE_STEPS, ImageTolerances
 
 DENOISERS = ("unet", "transformer")  # the pipeline components that run at every step, as diffusers names them
 PSNR_CAP_DB = 100.0  # identical images: PSNR is infinite, which no column or JSON holds
@@ -196,3 +196,6 @@ class TextToImage(ComparesOutputs):
         evidence = {"images": images, "tolerances": {"psnr_db": tolerances.psnr_db, "ssim": tolerances.ssim}}
         comparison = Comparison(image_psnr=psnr, image_ssim=ssim, reference_reused=found.reused, evidence=evidence)
         return Conclusion(Verdict.PASS if passed else Verdict.FAIL, reason, comparison)
+
+
+RUNNER = TextToImage()

@@ -4,7 +4,7 @@ A repo that ships ``modules.json`` is a sentence-transformers pipeline: it runs 
 itself — its own pooling, dense and normalization modules, on the accelerator, with the transformer's forward
 compiled by the backend — as its users run it. Any other encoder's embeddings are its last hidden states
 mean-pooled over the attention mask and L2-normalised. Verdict: PASS when every sentence's embedding has a cosine
-similarity to the reference's of at least the dtype's threshold (``shared.testconfig.SIMILARITY``), else FAIL.
+similarity to the reference's of at least the dtype's threshold (``tasks.feature_extraction.SIMILARITY``), else FAIL.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from services.runner.tasks.conclusion import ComparesOutputs, Conclusion
 from shared.contracts.enums import ErrorClass, Fault, Parallelism, Task, Verdict
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, Output, Resources
-from shared.testconfig import SENTENCES, similarity_threshold
+from tasks.feature_extraction import SENTENCES, similarity_threshold
 
 TEXT_POSITIONS = 32  # a transformers encoder's batch is padded to this length: static shapes
 
@@ -153,3 +153,6 @@ class FeatureExtraction(ComparesOutputs):
             similarity=lowest, reference_reused=found.reused, evidence={"cosines": cosines, "threshold": threshold}
         )
         return Conclusion(Verdict.PASS if passed else Verdict.FAIL, reason, comparison)
+
+
+RUNNER = FeatureExtraction()

@@ -17,7 +17,7 @@ import numpy as np
 from services.runner.failures import RunFailure
 from shared.contracts.enums import ErrorClass
 from shared.contracts.report import Performance
-from shared.testconfig import TTFT_SAMPLES
+from tasks.text_generation import TTFT_SAMPLES
 
 
 class StepClock:

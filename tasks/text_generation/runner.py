@@ -28,20 +28,12 @@ from services.runner.measure import Stopwatch, accelerator_timings, compile_reco
 from services.runner.routing import RoutingForcer, RoutingRecorder, experts_per_token
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks.conclusion import NOT_RUN, Conclusion
-from services.runner.tasks.tiers import timed_generations, token_logprobs
+from services.runner.tasks.logits import gap_and_rank, step_errors, top_logits
 from shared.contracts.enums import ErrorClass, Parallelism, Task
 from shared.contracts.evidence import Evidence, StepEvidence
 from shared.contracts.handoffs import AcceleratorData, Artifacts, Routing
 from shared.contracts.report import Comparison, Performance, Resources
-from shared.results.verdict import (
-    decide,
-    implausible_text,
-    is_near_tie,
-    long_outcome,
-    routing_flips,
-    routing_roots,
-)
-from shared.testconfig import (
+from tasks.text_generation import (
     DECODE_TOP,
     LONG_NEW_TOKENS,
     NEW_TOKENS,
@@ -49,6 +41,15 @@ from shared.testconfig import (
     PROMPT,
     LongTolerances,
     Tolerances,
+)
+from tasks.text_generation.tiers import timed_generations, token_logprobs
+from tasks.text_generation.verdict import (
+    decide,
+    implausible_text,
+    is_near_tie,
+    long_outcome,
+    routing_flips,
+    routing_roots,
 )
 
 
@@ -83,27 +84,6 @@ def _generation_kwargs(
         "output_scores": True,
         "return_dict_in_generate": True,
     }
-
-
-def top_logits(step: np.ndarray) -> tuple[list[int], list[float]]:
-    """A step's ``DECODE_TOP`` largest logits, largest first, and their token ids: what the decode check compares at,
-    and what a stored reference keeps of each of its steps."""
-    ids = np.argsort(-step, kind="stable")[:DECODE_TOP]
-    return ids.tolist(), step[ids].astype(np.float64).tolist()
-
-
-def top_logit_error(ours: np.ndarray, ids: list[int], logits: list[float]) -> float | None:
-    """A step's logits against another run's on the same prefix, at that run's top logits (``top_logits``):
-    ``||ours - theirs|| / ||theirs||`` over those ids, as the prefill check measures the whole vector. None where
-    either is not finite: nothing to compare (rule 1 fails the run on non-finite logits; JSON has no NaN)."""
-    theirs = np.asarray(logits, dtype=np.float64)
-    error = float(np.linalg.norm(ours[np.asarray(ids)].astype(np.float64) - theirs) / np.linalg.norm(theirs))
-    return error if math.isfinite(error) else None
-
-
-def step_errors(ours: np.ndarray, tops: list[tuple[list[int], list[float]]]) -> list[float | None]:
-    """Each of the accelerator's steps (``ours``: steps x vocabulary) against the other run's top logits."""
-    return [top_logit_error(step, *top) for step, top in zip(ours, tops, strict=False)]
 
 
 def _smallest(margins: list[float | None]) -> float | None:
@@ -143,20 +123,12 @@ class _Counterfactual:
 
     def scored(self, step: StepEvidence) -> StepEvidence:
         """A divergent step with the accelerator's token's gap and rank under the counterfactual."""
-        gap, rank = _gap_and_rank(self.scores[step.step], step.accelerator_token)
+        gap, rank = gap_and_rank(self.scores[step.step], step.accelerator_token)
         return replace(step, forced_gap=gap, forced_rank=rank)
 
 
 def _relative_error(ours: np.ndarray, theirs: np.ndarray) -> float:
     return float(np.linalg.norm(ours - theirs) / np.linalg.norm(theirs))
-
-
-def _gap_and_rank(scores: Any, token: int) -> tuple[float, int]:
-    """How far ``token`` sits below the best of a step's processed scores (log-probs, nats), and its 0-based rank."""
-    import torch
-
-    processed = torch.log_softmax(scores, -1)
-    return processed.max().item() - processed[token].item(), int((processed > processed[token]).sum())
 
 
 def _forced_routing(
@@ -179,7 +151,7 @@ def _forced_routing(
     logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
     loglik = sum(step[t].item() for step, t in zip(logprobs, tokens, strict=True)) / NEW_TOKENS
     best = sum(step.max().item() for step in logprobs) / NEW_TOKENS
-    tops = [top_logits(step[0].float().numpy()) for step in out.logits]
+    tops = [top_logits(step[0].float().numpy(), DECODE_TOP) for step in out.logits]
     return _Counterfactual(out.logits[0][0].float().numpy(), forced.processed, tops, loglik, best)
 
 
@@ -359,16 +331,16 @@ class TextGeneration:
             if int(raw.argmax()) != best:
                 reordered.append(i)
             if best != token:
-                gap, rank = _gap_and_rank(processed_steps[i], token)
+                gap, rank = gap_and_rank(processed_steps[i], token)
                 steps.append(StepEvidence(i, token, best, gap, rank, margins[i] if margins else None))
         ref_prefill = out.logits[0][0].float().numpy()
         np.save(artifacts.reference_prefill, ref_prefill)
         # each step of the accelerator's against this run's on the same prefix, at its top logits; and those of its
         # own run, which a later run with the same tokens is held to (the same prefix: ``reuse``)
         accelerator_steps = np.load(artifacts.step_logits)
-        scored_tops = [top_logits(step[0].float().numpy()) for step in raw_steps[:NEW_TOKENS]]
+        scored_tops = [top_logits(step[0].float().numpy(), DECODE_TOP) for step in raw_steps[:NEW_TOKENS]]
         errors = step_errors(accelerator_steps, scored_tops)
-        own_tops = [top_logits(step[0].float().numpy()) for step in out.logits[:NEW_TOKENS]]
+        own_tops = [top_logits(step[0].float().numpy(), DECODE_TOP) for step in out.logits[:NEW_TOKENS]]
         # The counterfactual, where the routing flipped and something would need its excuse: the prefill past its
         # tolerance, a divergent step that is no near tie, or implausible text. Its own 32-token generate, announced
         # as its own phase.
@@ -516,3 +488,6 @@ class TextGeneration:
                                 bool(acc.long_finite), LongTolerances())  # fmt: skip
         decision = decide(evidence, Tolerances.for_dtype(dtype))
         return Conclusion.of(decision, comparison, evidence, long, acc.performance)
+
+
+RUNNER = TextGeneration()
