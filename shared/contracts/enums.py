@@ -73,6 +73,7 @@ class Task(StrEnum):
     text_generation = "text-generation"
     feature_extraction = "feature-extraction"  # transformers encoders, and sentence-transformers' own pipelines
     text_to_image = "text-to-image"  # diffusers pipelines
+    automatic_speech_recognition = "automatic-speech-recognition"  # Whisper-style encoder-decoders
 
 
 class CacheOutcome(StrEnum):
