@@ -28,7 +28,8 @@ from shared.processes import free_port  # noqa: E402
 from testing.hub_standin import use_hub_standin  # noqa: E402
 from testing.services import CLI, Started, admin_token, ensure_redis, spawn, wait_until  # noqa: E402
 
-DEMO_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-qwen3-moe")
+DEMO_MODELS = ("tiny-llama", "tiny-qwen3", "tiny-gpt2", "tiny-qwen3-moe")  # testing/tiny_models.py's
+SPEECH_MODEL = "tiny-whisper"  # testing/tiny_speech.py's: the automatic-speech-recognition task on the same stack
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,12 +72,17 @@ def main(argv: list[str] | None = None) -> int:
         step("building tiny checkpoints")
         from testing.hub_standin import HubStandin
         from testing.tiny_models import build
+        from testing.tiny_speech import whisper
 
         build(data_dir / "models", list(DEMO_MODELS))
+        speech = whisper(data_dir / "models" / SPEECH_MODEL)
+        models = [f"demo/{model}" for model in (*DEMO_MODELS, SPEECH_MODEL)]
         hub = HubStandin(port=hub_port)
         hub.add_dir(data_dir / "models", org="demo")
+        # served with its task's tag, as the Hub tags a Whisper (submission picks the task by it)
+        hub.add(models[-1], speech, pipeline_tag="automatic-speech-recognition", library_name="transformers")
         hub.start()
-        step(f"Hub stand-in at {hub.url} serving {', '.join('demo/' + m for m in DEMO_MODELS)}")
+        step(f"Hub stand-in at {hub.url} serving {', '.join(models)}")
 
         logs = data_dir / "logs"
         logs.mkdir()
@@ -105,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
         step(f"workers {names} serve {worker['compiler_version']}, transformers {worker['library_version']}")
 
         # The user's way in: SUPPORTMATRIX_API_URL and SUPPORTMATRIX_API_TOKEN are set above, in the environment.
-        models = [f"demo/{model}" for model in DEMO_MODELS]
         step(f"supportmatrix submit {' '.join(models)} --wait   (logs in {logs})")
         submitted = cli("submit", *models, "--wait", "--timeout", str(args.timeout))
 

@@ -14,12 +14,12 @@ Each is saved by its library's own ``save`` / ``save_pretrained``, in the layout
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from testing import build_main
 from testing.tiny_models import build_tokenizer
 
 HIDDEN = 32
@@ -212,11 +212,7 @@ def build(out_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m testing.tiny_pipelines", description=__doc__)
-    parser.add_argument("out_dir", type=Path)
-    for path in build(parser.parse_args(argv).out_dir):
-        print(path)
-    return 0
+    return build_main("tiny_pipelines", __doc__, build, argv)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ LLMs with Whisper's special tokens: what ``from_pretrained`` and Whisper's own `
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from testing import build_main
 from testing.tiny_models import build_tokenizer
 
 SPECIAL = ("<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>")
@@ -60,11 +60,7 @@ def build(out_dir: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m testing.tiny_speech", description=__doc__)
-    parser.add_argument("out_dir", type=Path)
-    for path in build(parser.parse_args(argv).out_dir):
-        print(path)
-    return 0
+    return build_main("tiny_speech", __doc__, build, argv)
 
 
 if __name__ == "__main__":

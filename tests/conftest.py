@@ -8,6 +8,7 @@ reads the settings.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -109,8 +110,21 @@ HEAVY_FIXTURES = frozenset({
     "tiny_models", "pipelines", "hub", "api", "verdict_worker", "worker", "start_worker", "stack", "workers",
     "two_hosts", "pods", "server", "browser", "page", "big", "big_schema", "client", "api_url", "seeded", "llama",
     "isolated", "isolated_backends", "fresh_api", "trusting_api", "kind_repos", "odd_repos", "sweep_repos",
-    "pipeline_repos", "control_worker", "zygote", "cli_org", "passing_submission", "api_on_proxy", "silent_hub",
+    "pipeline_repos", "control_worker", "zygote", "host_zygote", "cli_org", "passing_submission", "api_on_proxy",
+    "silent_hub",
 })  # fmt: skip
+
+
+# The files whose tests take longest, slowest first (`--durations`, docs/tests.md): they are collected first.
+# pytest-xdist's ``--dist loadfile`` hands out files in collection order, each process two ahead, so a heavy file
+# collected last would run alone on one process at the end while the other sits idle.
+SLOWEST_FILES = (
+    "test_faults.py", "test_isolation.py", "test_kubernetes.py", "test_deploy.py", "test_tiers.py",
+    "test_task_pipelines.py", "test_references.py", "test_runner.py", "test_cores_and_tasks.py", "test_pipeline.py",
+    "test_sweeps.py", "test_speech_recognition.py", "test_sharding.py", "test_stages.py", "test_metrics.py",
+)  # fmt: skip
+
+assert all((ROOT / "tests" / name).is_file() for name in SLOWEST_FILES), "a file of SLOWEST_FILES is gone"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -119,7 +133,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     builds an item's id from its callspec, which they have none of, so all of them got their function's id;
     pytest-xdist's ``--dist loadfile`` (scripts/test.sh) keys its schedule by node id and so ran one of them: the
     other operations went unfuzzed, unreported. Under pytest 8 their ids already carry the bracket and nothing is
-    changed."""
+    changed. The slowest files go first (``SLOWEST_FILES``)."""
     from schemathesis.pytest.plugin import SchemathesisFunction
 
     for item in items:
@@ -129,6 +143,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if isinstance(item, SchemathesisFunction) and item.name.endswith("]") and "[" not in item.nodeid:
             params = item.name[item.name.index("[") + 1 : -1]
             item._id = item._id.with_params(params)
+    items.sort(
+        key=lambda item: SLOWEST_FILES.index(item.path.name) if item.path.name in SLOWEST_FILES else len(SLOWEST_FILES)
+    )
     shared = [nodeid for nodeid, count in Counter(item.nodeid for item in items).items() if count > 1]
     if shared:
         raise pytest.UsageError(f"tests sharing a node id, which pytest-xdist would run once: {shared[:5]}")
@@ -295,19 +312,6 @@ class WorkerProcess:
             time.sleep(0.5)
         raise RuntimeError(f"worker {self.name} did not register:\n{self.log.read_text()[-3000:]}")
 
-    def runner_processes(self, model_id: str) -> list[Any]:
-        import psutil
-
-        found = []
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                cmd = child.cmdline()
-            except psutil.NoSuchProcess:
-                continue
-            if cmd[1:4] == ["-m", "services.runner", model_id]:
-                found.append(child)
-        return found
-
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -318,8 +322,48 @@ class WorkerProcess:
                 self.proc.wait()
 
 
+def start_zygote(address: str, log: Path) -> subprocess.Popen[bytes]:
+    """A zygote (services/runner/zygote_server.py) at ``address`` with the runners' environment, as a host launcher
+    starts one; returned once it is ready."""
+    from shared.settings import child_environment, get_settings
+    from shared.zygote_client import ZYGOTE_ENVIRONMENT
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.runner.zygote_server", address],
+        env=child_environment(get_settings(), ZYGOTE_ENVIRONMENT), cwd=ROOT, stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while "ready in" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    return proc
+
+
 @pytest.fixture(scope="session")
-def verdict_worker(hub: Any) -> Iterator[WorkerProcess]:
+def host_zygote() -> Iterator[Path]:
+    """This host's zygote, as its launcher keeps one (services/worker/host.py): the session's workers fork their
+    runners from it, as a fleet's do, instead of starting each as a fresh interpreter that imports torch and
+    transformers first (2 to 4 s, twice a stage). A worker whose runners' environment is not the zygote's (a planted
+    fault, another compiler) is refused and starts them afresh; a test's launcher takes a host name of its own. Its
+    log is yielded."""
+    from shared.settings import get_settings
+    from shared.zygote_client import zygote_address
+
+    settings = get_settings()
+    log = RUN_DIR / "host-zygote.log"
+    proc = start_zygote(zygote_address(settings.data_dir, settings.host_name), log)
+    yield log
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def verdict_worker(hub: Any, host_zygote: Path) -> Iterator[WorkerProcess]:
     """This host's verdict-stage worker: every job's verdict stage runs here, after its cores are free."""
     proc = WorkerProcess("v-main", {}, cores=None)
     yield proc
@@ -352,7 +396,7 @@ def planned_with(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 @pytest.fixture
-def start_worker(hub: Any) -> Iterator[Any]:
+def start_worker(hub: Any, host_zygote: Path) -> Iterator[Any]:
     """Start extra workers for one test; they are stopped (and deregistered) when it ends."""
     started: list[WorkerProcess] = []
 
@@ -364,6 +408,25 @@ def start_worker(hub: Any) -> Iterator[Any]:
     yield start
     for proc in started:
         proc.stop()
+
+
+def started_runners(log: str, job_id: int, stage: str = r"\w+") -> list[int]:
+    """The pids of the runners a worker started for a job (for one ``stage`` of it), in order, from its log: a runner
+    forked by the host's zygote is the zygote's child, not the worker's."""
+    return [int(pid) for pid in re.findall(rf"starting runner: job {job_id}, {stage} stage: .*? \(pid (\d+),", log)]
+
+
+def stage_runner(worker: Any, job_id: int, stage: str, timeout: float = 120) -> Any:
+    """The runner process (psutil's) a worker started for one stage of a job, once the worker has logged its start (a
+    worker killed between the runner's start and its log line would leave a start the log does not count)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if started := started_runners(worker.log.read_text(errors="replace"), job_id, stage):
+            return psutil.Process(started[-1])
+        time.sleep(0.1)
+    raise AssertionError(f"no {stage} runner for job {job_id}")
 
 
 def wait_for_job(api: Any, job_id: int, states: set[str], timeout: float = 180) -> dict[str, Any]:

@@ -46,9 +46,9 @@ from testing.netns import NetnsHost
 from testing.redis_server import RedisServer
 from testing.services import port_answers, short_leases
 from testing.tcp_proxy import Cut, TcpProxy
-from tests.conftest import PG_BASE, ROOT, RUN_DIR
+from tests.conftest import PG_BASE, ROOT, RUN_DIR, stage_runner
 from tests.machine_speed import bound
-from tests.test_stages import frozen, runner_starts, stage_runner
+from tests.test_stages import frozen, runner_starts
 
 LEASE_S, HEARTBEAT_S, RECONCILE_S, GRACE_S, STALE_S = 6, 1, 2, 4, 5
 RECLAIM_S = LEASE_S + 2 * RECONCILE_S  # a lost job is running again within this of its loss

@@ -103,7 +103,8 @@ def test_the_launcher_process_forks_its_workers_and_stops_them(api: Any, tmp_pat
     register, run a job to its end — its runner and child forked from the zygote, the child pinned to the
     job's core as a fresh one would be — and leave with the launcher. A second launcher on the same machine under
     another host name (another compiler version, as a user testing two on one machine starts them) registers workers
-    of its own beside the first's, each named after its host: neither takes the other's registration."""
+    of its own beside the first's, each named after its host: neither takes the other's registration. (The first is
+    named too: this machine's own host name has the session's zygote, tests/conftest.py's ``host_zygote``.)"""
     log, other_log = tmp_path / "host.log", tmp_path / "other-host.log"
 
     def start(log: Path, **env: str) -> subprocess.Popen[bytes]:
@@ -114,10 +115,10 @@ def test_the_launcher_process_forks_its_workers_and_stops_them(api: Any, tmp_pat
         )  # fmt: skip
 
     # eager: a compiler version of its own, so that the session's 1-core worker (aot_eager) takes none of its jobs
-    launcher = start(log, SUPPORTMATRIX_CPU_COMPILE_BACKEND="eager")
+    launcher = start(log, SUPPORTMATRIX_CPU_COMPILE_BACKEND="eager", SUPPORTMATRIX_HOST_NAME="this-host")
     other = start(other_log, SUPPORTMATRIX_CPU_COMPILE_BACKEND="aot_eager_decomp_partition",
                   SUPPORTMATRIX_HOST_NAME="other-host")  # fmt: skip
-    host = get_settings().host_name
+    host = "this-host"
     try:
         deadline = time.monotonic() + 120
         while registered_names() != {f"cores-0@{host}", "cores-0@other-host"} or "zygote: ready" not in log.read_text():

@@ -45,7 +45,7 @@ from shared.jobs.queues import compiler_queues_like, job_queue, verdict_queue
 from shared.jobs.submission import Request, submit_model
 from shared.settings import Settings
 from tests import test_faults
-from tests.conftest import ROOT, RUN_DIR, fresh_database
+from tests.conftest import ROOT, RUN_DIR, fresh_database, started_runners
 from tests.test_faults import ORG, RECLAIM_S, RUN_S, STARTUP_S, Proc, Stack, assert_ended_once, gone, stop_all
 from tests.test_stages import frozen
 
@@ -805,9 +805,8 @@ class Pod:
 
     def runner_pid(self, job_id: int, stage: str, timeout: float = 90) -> int:
         """The runner a worker of this pod started for one stage of a job, from the worker's log line."""
-        pattern = re.compile(rf"starting runner: job {job_id}, {stage} stage: .*? \(pid (\d+),")
-        self.proc.wait_for(lambda: pattern.search(self.proc.text()) is not None, "the runner", timeout)
-        return int(pattern.findall(self.proc.text())[-1])
+        self.proc.wait_for(lambda: started_runners(self.proc.text(), job_id, stage) != [], "the runner", timeout)
+        return started_runners(self.proc.text(), job_id, stage)[-1]
 
 
 def descendants(pid: int) -> list[psutil.Process]:

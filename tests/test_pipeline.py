@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import psutil
 import pytest
 
-from tests.conftest import wait_for_job
+from tests.conftest import stage_runner, started_runners, wait_for_job
 
 FINISHED = {"done", "failed", "cancelled"}
 
@@ -20,15 +23,9 @@ def submit(api: Any, model_id: str, expect: int = 202, **extra: Any) -> list[dic
     return response.json()["jobs"]
 
 
-def wait_running_runner(worker: Any, api: Any, job_id: int, model_id: str) -> Any:
+def wait_running_runner(worker: Any, api: Any, job_id: int) -> Any:
     wait_for_job(api, job_id, {"running"})
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        runners = worker.runner_processes(model_id)
-        if runners:
-            return runners[0]
-        time.sleep(0.2)
-    raise AssertionError(f"no runner process for {model_id}")
+    return stage_runner(worker, job_id, "accelerator", timeout=60)
 
 
 def accelerator_owner(job_id: int) -> str:
@@ -50,7 +47,9 @@ def result_rows(api: Any, **params: Any) -> list[dict[str, Any]]:
     return response.json()["items"]
 
 
-def test_submitted_model_ends_in_a_pass_row_exported_to_parquet(api: Any, worker: Any, hub: Any) -> None:
+def test_submitted_model_ends_in_a_pass_row_exported_to_parquet(
+    api: Any, worker: Any, verdict_worker: Any, host_zygote: Path, hub: Any
+) -> None:
     jobs = submit(api, "org/tiny-llama")
     assert len(jobs) == 1 and jobs[0]["created"] and jobs[0]["state"] == "queued"
     job = wait_for_job(api, jobs[0]["id"], FINISHED)
@@ -58,6 +57,13 @@ def test_submitted_model_ends_in_a_pass_row_exported_to_parquet(api: Any, worker
     # the accelerator stage ran on w-main's core; the verdict stage, which wrote the row, on the verdict worker
     assert job["attempts"] == 1 and job["lease_owner"].startswith("v-main@")
     assert accelerator_owner(job["id"]).startswith("w-main@")
+    # both stages' runners, and their children, forked from the host's zygote (tests/conftest.py), as a fleet's are
+    for stage, log in (("accelerator", worker.log), ("verdict", verdict_worker.log)):
+        assert re.search(rf"starting runner: job {job['id']}, {stage} stage: .*forked by the zygote", log.read_text())
+    for spec in ("accelerator", "reference"):
+        assert re.search(
+            rf"fork \d+: services\.runner\.child \S+/job-{job['id']}/{spec}\.spec\.json", host_zygote.read_text()
+        )
 
     [row] = result_rows(api, model_id="org/tiny-llama")
     assert row["result"] == "PASS"
@@ -124,7 +130,7 @@ def test_identical_submission_returns_the_existing_job_unless_forced(api: Any, w
 
 def test_cancel_queued_and_running_jobs(api: Any, worker: Any) -> None:
     [running] = submit(api, "org/tiny-qwen3")
-    runner = wait_running_runner(worker, api, running["id"], "org/tiny-qwen3")
+    runner = wait_running_runner(worker, api, running["id"])
     [queued] = submit(api, "org/tiny-gpt2")  # waits behind the running job: the worker runs one at a time
     assert api.get(f"/jobs/{queued['id']}").json()["state"] == "queued"
 
@@ -144,7 +150,7 @@ def test_cancel_queued_and_running_jobs(api: Any, worker: Any) -> None:
 
 def test_runner_crash_is_an_error_row_and_the_worker_takes_the_next_job(api: Any, worker: Any) -> None:
     [crashing] = submit(api, "org/tiny-qwen3")
-    runner = wait_running_runner(worker, api, crashing["id"], "org/tiny-qwen3")
+    runner = wait_running_runner(worker, api, crashing["id"])
     runner.send_signal(signal.SIGSEGV)
     job = wait_for_job(api, crashing["id"], FINISHED)
     assert job["state"] == "failed" and job["error_class"] == "crash", job
@@ -172,7 +178,8 @@ def test_runner_over_its_time_limit_is_an_error_timeout(api: Any, worker: Any, s
         job = wait_for_job(api, jobs["eager-2.13.0+cpu"]["id"], FINISHED)
         assert job["state"] == "failed" and job["error_class"] == "timeout", job
         assert "3 s limit" in job["error_message"]
-        assert slow.runner_processes("org/tiny-llama") == []
+        [runner] = started_runners(slow.log.read_text(), job["id"])  # killed, and waited for
+        assert not psutil.pid_exists(runner) or psutil.Process(runner).status() == psutil.STATUS_ZOMBIE
         wait_for_job(api, jobs["aot_eager-2.13.0+cpu"]["id"], FINISHED)
     finally:
         slow.stop()

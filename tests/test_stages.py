@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import time
 from collections.abc import Iterator
@@ -16,34 +15,13 @@ from typing import Any
 import psutil
 
 from shared.settings import get_settings
-from tests.conftest import wait_for_job
+from tests.conftest import stage_runner, started_runners, wait_for_job
 from tests.test_pipeline import FINISHED, result_rows, submit
-
-
-def stage_runner(worker: Any, job_id: int, stage: str, timeout: float = 120) -> psutil.Process:
-    """The runner process a worker started for one stage of a job, once the worker has logged its start (a
-    worker killed between the runner's exec and its log line would leave a start the log does not count)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not runner_starts(worker, job_id, stage):
-            time.sleep(0.1)
-            continue
-        for child in psutil.Process(worker.proc.pid).children(recursive=True):
-            try:
-                cmd = child.cmdline()
-            except psutil.NoSuchProcess:
-                continue
-            if "services.runner" not in cmd or "--stage" not in cmd:
-                continue
-            if cmd[cmd.index("--artifacts") + 1].endswith(f"/job-{job_id}") and cmd[cmd.index("--stage") + 1] == stage:
-                return child
-        time.sleep(0.1)
-    raise AssertionError(f"no {stage} runner for job {job_id}")
 
 
 def runner_starts(worker: Any, job_id: int, stage: str) -> int:
     """How many runners a worker started for one stage of a job, from its log."""
-    return len(re.findall(rf"starting runner: job {job_id}, {stage} stage", worker.log.read_text(errors="replace")))
+    return len(started_runners(worker.log.read_text(errors="replace"), job_id, stage))
 
 
 @contextmanager
@@ -90,8 +68,7 @@ def test_a_verdict_worker_killed_mid_stage_is_retried_from_the_artifacts_once(
     [job] = submit(api, "stage/tiny-gpt2")
     wait_for_job(api, job["id"], {"judging"})
     runner = stage_runner(verdict_worker, job["id"], "verdict")
-    pool_child = runner.parent()
-    assert pool_child is not None and pool_child.pid != verdict_worker.proc.pid
+    [pool_child] = psutil.Process(verdict_worker.proc.pid).children()  # the worker's one pool process: the stage's
     with frozen(runner):
         pool_child.kill()  # the verdict worker's process that runs the stage dies mid-stage
     psutil.wait_procs([runner], timeout=30)

@@ -25,7 +25,6 @@ from shared.isolation import RunAs
 from shared.settings import child_environment, get_settings
 from shared.zygote_client import (
     EXIT_UNKNOWN,
-    ZYGOTE_ENVIRONMENT,
     ForkedProcess,
     ForkRequest,
     environment_mismatch,
@@ -34,30 +33,22 @@ from shared.zygote_client import (
     start_python,
     zygote_address,
 )
+from tests.conftest import start_zygote
 
 CHILD = "services.runner.child"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_zygote(tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
-    settings = get_settings()
+def zygote_in(tmp: Path, name: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A zygote of its own for a test, at an address of its own under ``tmp``."""
     address = zygote_address(tmp, name)
-    log = (tmp / f"{name}.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.runner.zygote_server", address],
-        env=child_environment(settings, ZYGOTE_ENVIRONMENT), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while "ready in" not in (tmp / f"{name}.log").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp / f"{name}.log").read_text()
-        time.sleep(0.1)
-    return proc, address
+    return start_zygote(address, tmp / f"{name}.log"), address
 
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     tmp = tmp_path_factory.mktemp("zygote")
-    proc, address = start_zygote(tmp, "shared")
+    proc, address = zygote_in(tmp, "shared")
     yield proc, address, tmp
     proc.terminate()
     proc.wait(30)
@@ -225,7 +216,7 @@ def test_a_forked_child_dies_with_the_process_that_asked_for_it(zygote: tuple[ob
 def test_a_forked_child_dies_with_its_requester_even_when_the_zygote_dies_with_it(tmp_path: Path) -> None:
     """A launcher's whole process group SIGKILLed takes the worker and the zygote at once: nobody is left to see
     the requester's connection close, and the child goes by itself (it watches its requester)."""
-    zygote_proc, address = start_zygote(tmp_path, "together")
+    zygote_proc, address = zygote_in(tmp_path, "together")
     fifo, _ = waiting_child(tmp_path, "left")
     asker = asking_for(fifo, tmp_path / "left.log", address)
     assert asker.stdout is not None
@@ -239,7 +230,7 @@ def test_a_forked_child_dies_with_its_requester_even_when_the_zygote_dies_with_i
 
 
 def test_a_timeout_kills_the_forked_group_and_a_dead_zygote_loses_only_the_status(tmp_path: Path) -> None:
-    zygote_proc, address = start_zygote(tmp_path, "mortal")
+    zygote_proc, address = zygote_in(tmp_path, "mortal")
     env = child_environment(get_settings(), {})
     fifo, _ = waiting_child(tmp_path, "hung")
     proc, _ = start_python(CHILD, [str(fifo)], env, tmp_path / "hung.log", own_group=True, zygote=address)

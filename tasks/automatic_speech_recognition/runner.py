@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from services.runner import faults, parallel
+from services.runner import faults
 from services.runner.backends.base import Backend
 from services.runner.failures import phase
-from services.runner.measure import Stopwatch, accelerator_timings, compile_record
+from services.runner.measure import accelerator_timings, compile_record
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks.conclusion import Conclusion
 from services.runner.tasks.logits import gap_and_rank, step_errors, top_logits
+from services.runner.tasks.whole import compiled_twice
 from shared.contracts.enums import ErrorClass, Parallelism, Task, Verdict
 from shared.contracts.evidence import StepEvidence
 from shared.contracts.handoffs import AcceleratorData, Artifacts
@@ -60,7 +61,7 @@ class Transcriber:
         code: dict[str, Any] = {"trust_remote_code": trust_remote_code}
         features = AutoFeatureExtractor.from_pretrained(model_dir, **code)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir, **code)
-        self.model = AutoModelForSpeechSeq2Seq.from_pretrained(model_dir, dtype=dtype, **code).to(device).eval()
+        self.network = AutoModelForSpeechSeq2Seq.from_pretrained(model_dir, dtype=dtype, **code).to(device).eval()
         rate = features.sampling_rate
         self.inputs = features(clip(rate), sampling_rate=rate, return_tensors="pt").input_features.to(device, dtype)
 
@@ -70,7 +71,7 @@ class Transcriber:
         import torch
 
         with torch.inference_mode():
-            out = self.model.generate(
+            out = self.network.generate(
                 self.inputs,
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
@@ -87,8 +88,11 @@ class Transcriber:
         import torch
 
         with torch.inference_mode():
-            out = self.model(input_features=self.inputs, decoder_input_ids=torch.tensor([sequence[:-1]]))
+            out = self.network(input_features=self.inputs, decoder_input_ids=torch.tensor([sequence[:-1]]))
         return out.logits[0, -steps:].float().numpy()
+
+    def plant(self, fault: str) -> None:
+        faults.inject_module(self.network, fault)
 
     def text(self, sequence: list[int]) -> str:
         return str(self.tokenizer.decode(sequence, skip_special_tokens=True))
@@ -106,18 +110,11 @@ class SpeechRecognition:
     name = Task.automatic_speech_recognition
 
     def accelerator(self, spec: AcceleratorSpec, backend: Backend) -> AcceleratorData:
-        parallel.whole("a speech model", spec.world_size)
-        clock = Stopwatch(announce=spec.phase_file)
-        with phase(ErrorClass.load), clock.time("load"):
-            transcriber = Transcriber(spec.model_dir, backend, backend.device, spec.trust_remote_code)
-        if backend.fault:
-            faults.inject_module(transcriber.model, backend.fault)
-        model = transcriber.model
-        model.forward = backend.compile(model.forward)
-        with phase(ErrorClass.compile), clock.time("first"):
-            transcriber.transcribe()
-        with phase(ErrorClass.runtime), clock.time("generate"):
-            sequence, logits = transcriber.transcribe()
+        transcriber, (sequence, logits), clock = compiled_twice(
+            spec, backend, "a speech model",
+            lambda: Transcriber(spec.model_dir, backend, backend.device, spec.trust_remote_code),
+            Transcriber.transcribe,
+        )  # fmt: skip
         if spec.rank == 0:
             np.save(Artifacts(spec.artifacts).step_logits, logits)
         return AcceleratorData(
@@ -127,7 +124,9 @@ class SpeechRecognition:
             output=Output(pipeline_library="transformers", pipeline_library_version=version("transformers")),
             placement=backend.placement().model_copy(update={"parallelism": Parallelism.none}),
             timings=accelerator_timings(clock),
-            resources=Resources(peak_memory_bytes=backend.peak_memory_bytes(), **compile_record(model, backend)),
+            resources=Resources(
+                peak_memory_bytes=backend.peak_memory_bytes(), **compile_record(transcriber.network, backend)
+            ),
         )
 
     def reference(self, spec: ReferenceSpec, backend: Backend) -> ReferenceResult:
@@ -140,7 +139,7 @@ class SpeechRecognition:
             accelerator_steps = np.load(artifacts.step_logits)
             steps = len(accelerator_steps)
             # the reference's logits on the accelerator's prefix: its own run's where the sequences agree
-            on_prefix = logits if ours == sequence else transcriber.forced(ours, steps)
+            forced = None if ours == sequence else transcriber.forced(ours, steps)
         tops = [top_logits(step, TOP_LOGITS) for step in logits]
         stored = {
             "sequence": sequence,
@@ -148,7 +147,8 @@ class SpeechRecognition:
             "step_top_ids": [ids for ids, _ in tops],
             "step_top_logits": [values for _, values in tops],
         }
-        errors = step_errors(accelerator_steps, [top_logits(step, TOP_LOGITS) for step in on_prefix])
+        on_prefix = tops if forced is None else [top_logits(step, TOP_LOGITS) for step in forced]
+        errors = step_errors(accelerator_steps, on_prefix)
         divergent = []
         position = first_divergence(ours, sequence)
         start = len(sequence) - len(logits)  # the forced start's length: position start + i is generated step i

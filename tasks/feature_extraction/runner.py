@@ -15,12 +15,13 @@ from typing import Any
 
 import numpy as np
 
-from services.runner import faults, parallel
+from services.runner import faults
 from services.runner.backends.base import Backend
 from services.runner.failures import phase
-from services.runner.measure import Stopwatch, accelerator_timings, compile_record
+from services.runner.measure import accelerator_timings, compile_record
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks.conclusion import ComparesOutputs, Conclusion
+from services.runner.tasks.whole import compiled_twice
 from shared.contracts.enums import ErrorClass, Fault, Parallelism, Task, Verdict
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, Output, Resources
@@ -49,15 +50,16 @@ class Encoder:
                 str(model_dir), device=device, trust_remote_code=trust_remote_code, model_kwargs={"dtype": dtype}
             )
             self.network = self.sentence_transformer[0].auto_model
-            return
-        from transformers import AutoModel, AutoTokenizer
+        else:
+            from transformers import AutoModel, AutoTokenizer
 
-        code: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, **code)
-        self.network = AutoModel.from_pretrained(model_dir, dtype=dtype, **code).to(device).eval()
-        self.inputs = tokenizer(
-            SENTENCES, padding="max_length", max_length=TEXT_POSITIONS, truncation=True, return_tensors="pt"
-        ).to(device)
+            code: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, **code)
+            self.network = AutoModel.from_pretrained(model_dir, dtype=dtype, **code).to(device).eval()
+            self.inputs = tokenizer(
+                SENTENCES, padding="max_length", max_length=TEXT_POSITIONS, truncation=True, return_tensors="pt"
+            ).to(device)
+        self.described = self.output()  # the pipeline as the repo declares it, before a planted fault changes it
 
     def embed(self) -> Any:
         import torch
@@ -85,7 +87,7 @@ class Encoder:
         return next((m for m in modules if hasattr(m, "pooling_mode")), None)
 
     def output(self) -> Output:
-        """The pipeline as the repo defines it (read before any fault changed it)."""
+        """The pipeline as the repo defines it now."""
         if self.sentence_transformer is None:
             return Output(
                 pipeline_library="transformers",
@@ -107,26 +109,19 @@ class FeatureExtraction(ComparesOutputs):
     name = Task.feature_extraction
 
     def accelerator(self, spec: AcceleratorSpec, backend: Backend) -> AcceleratorData:
-        parallel.whole("an embedding model", spec.world_size)
-        clock = Stopwatch(announce=spec.phase_file)
-        with phase(ErrorClass.load), clock.time("load"):
-            encoder = Encoder(spec.model_dir, backend, backend.device, spec.trust_remote_code)
-        described = encoder.output()  # the pipeline as the repo declares it, before a planted fault changes it
-        if backend.fault:
-            encoder.plant(backend.fault)
-        encoder.network.forward = backend.compile(encoder.network.forward)
-        with phase(ErrorClass.compile), clock.time("first"):
-            embeddings = encoder.embed()
-        with phase(ErrorClass.runtime), clock.time("generate"):
-            encoder.embed()
-        model = encoder.network
+        encoder, embeddings, clock = compiled_twice(
+            spec, backend, "an embedding model",
+            lambda: Encoder(spec.model_dir, backend, backend.device, spec.trust_remote_code), Encoder.embed,
+        )  # fmt: skip
         return AcceleratorData(
-            output=described.model_copy(update={"embedding_dim": int(embeddings.shape[-1])}),
+            output=encoder.described.model_copy(update={"embedding_dim": int(embeddings.shape[-1])}),
             embeddings=embeddings.nan_to_num().tolist(),  # JSON holds no NaN: ``finite`` says whether there was one
             finite=bool(embeddings.isfinite().all()),
             placement=backend.placement().model_copy(update={"parallelism": Parallelism.none}),
             timings=accelerator_timings(clock),
-            resources=Resources(peak_memory_bytes=backend.peak_memory_bytes(), **compile_record(model, backend)),
+            resources=Resources(
+                peak_memory_bytes=backend.peak_memory_bytes(), **compile_record(encoder.network, backend)
+            ),
         )
 
     def reference(self, spec: ReferenceSpec, backend: Backend) -> ReferenceResult:

@@ -21,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from services.runner import faults, parallel
+from services.runner import faults
 from services.runner.backends.base import Backend
 from services.runner.failures import RunFailure, phase
-from services.runner.measure import Stopwatch, accelerator_timings, compile_record
+from services.runner.measure import accelerator_timings, compile_record
 from services.runner.specs import AcceleratorSpec, ReferenceResult, ReferenceSpec
 from services.runner.tasks.conclusion import ComparesOutputs, Conclusion
+from services.runner.tasks.whole import compiled_twice
 from shared.contracts.enums import ErrorClass, Fault, Parallelism, Task, Verdict
 from shared.contracts.handoffs import AcceleratorData, Artifacts
 from shared.contracts.report import Comparison, Output, Resources
@@ -60,6 +61,15 @@ class Pipeline:
         # a step's end is when the accelerator finished it; the CPU reference has nothing to wait for
         self.synchronize = backend.synchronize if accelerated else (lambda: None)
         self.step_ends: list[float] = []
+
+    @property
+    def network(self) -> Any:
+        return self.denoiser
+
+    def plant(self, fault: str) -> None:
+        if fault == Fault.wrong_pooling:
+            raise ValueError("wrong_pooling is a fault of a sentence-transformers pipeline, not of an image model")
+        faults.inject_module(self.denoiser, fault)
 
     def output(self) -> Output:
         return Output(
@@ -145,19 +155,9 @@ class TextToImage(ComparesOutputs):
     name = Task.text_to_image
 
     def accelerator(self, spec: AcceleratorSpec, backend: Backend) -> AcceleratorData:
-        parallel.whole("a diffusers pipeline", spec.world_size)
-        clock = Stopwatch(announce=spec.phase_file)
-        with phase(ErrorClass.load), clock.time("load"):
-            pipeline = Pipeline(spec, backend, accelerated=True)
-        if backend.fault == Fault.wrong_pooling:
-            raise ValueError("wrong_pooling is a fault of a sentence-transformers pipeline, not of an image model")
-        if backend.fault:
-            faults.inject_module(pipeline.denoiser, backend.fault)
-        pipeline.denoiser.forward = backend.compile(pipeline.denoiser.forward)
-        with phase(ErrorClass.compile), clock.time("first"):
-            pipeline.draw()
-        with phase(ErrorClass.runtime), clock.time("generate"):
-            image = pipeline.draw()
+        pipeline, image, clock = compiled_twice(
+            spec, backend, "a diffusers pipeline", lambda: Pipeline(spec, backend, accelerated=True), Pipeline.draw
+        )
         timings = accelerator_timings(clock).model_copy(update={"denoise_step_s": pipeline.median_step_s()})
         return AcceleratorData(
             image=np.nan_to_num(image).tolist(),  # JSON holds no NaN: ``finite`` says whether there was one
