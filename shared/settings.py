@@ -378,15 +378,6 @@ def get_runner_settings() -> RunnerSettings:
 # per-child one. Never another process's, such as the database or broker URLs: a child loads checkpoints that nobody
 # here wrote, and reads nothing else.
 RUNNER_SETTINGS = frozenset(name for name in RunnerSettings.model_fields if withheld(name) is None)
-
-
-def variable(name: str) -> str:
-    """The environment variable of the setting ``name`` (``env_prefix`` above)."""
-    return f"SUPPORTMATRIX_{name.upper()}"
-
-
-# Every variable a runner reads its settings from, withheld or not.
-RUNNER_VARIABLES = frozenset(variable(name) for name in RunnerSettings.model_fields)
 # What a process needs from the host's environment: the interpreter and locale, huggingface_hub's settings
 # (its token is passed on only where a gated model needs it), and the accelerator runtimes' own variables.
 INHERITED_NAMES = frozenset(
@@ -419,7 +410,7 @@ def child_environment(
     for name in RUNNER_SETTINGS:
         value = getattr(settings, name)
         if value is not None:
-            env[variable(name)] = _env_value(value)
+            env[f"SUPPORTMATRIX_{name.upper()}"] = _env_value(value)
     return env | overrides | (secrets or {})
 
 

@@ -36,35 +36,28 @@ from pydantic import BaseModel
 from shared.contracts.handoffs import create_anew
 from shared.isolation import RunAs
 from shared.processes import ChildProcess, die_with_parent, no_new_privileges
-from shared.settings import RUNNER_VARIABLES
 
 # Variables a forked child may have that its zygote has not: read by our code or by libraries when used, not
-# when imported (huggingface_hub reads HF_TOKEN per call; tempfile's TMPDIR is reset in the child). Every runner
-# setting is one: nothing the zygote imports reads one (tests/test_zygote.py checks its preload), and a child reads
-# them from its own environment when first asked (zygote_server.become clears get_runner_settings' cache), so a
-# worker with a planted fault or another compile backend forks its runners as any other does. The
+# when imported (huggingface_hub reads HF_TOKEN per call; tempfile's TMPDIR is reset in the child). The
 # zygote imports torch with device-backend autoload off, so that no accelerator library is loaded in a
 # process that forks: a child that needs one imports it (the neuron backend does), under its own NEURON_ and
 # TORCH_NEURONX_ variables. Anything else must match the zygote's environment.
 # Secrets never pass through the zygote: its memory is every later child's (a repo's own code could read a token
 # a request left in it). The requester writes them to a file of its own (0600) that the child reads and removes.
 SECRET_NAMES = frozenset({"HF_TOKEN", "SUPPORTMATRIX_COMPILE_CACHE_TOKEN", "SUPPORTMATRIX_JUDGE_TOKEN"})
-PER_CHILD_NAMES = (
-    SECRET_NAMES
-    | RUNNER_VARIABLES
-    | frozenset(
-        {
-            "TORCH_DEVICE_BACKEND_AUTOLOAD",
-            "TORCHINDUCTOR_CACHE_DIR",
-            "TMPDIR",
-            "CUDA_VISIBLE_DEVICES",
-            "RANK",
-            "LOCAL_RANK",
-            "WORLD_SIZE",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-        }
-    )
+PER_CHILD_NAMES = SECRET_NAMES | frozenset(
+    {
+        "SUPPORTMATRIX_RUNNER_ZYGOTE",
+        "TORCH_DEVICE_BACKEND_AUTOLOAD",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TMPDIR",
+        "CUDA_VISIBLE_DEVICES",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    }
 )
 PER_CHILD_PREFIXES = ("NEURON_", "TORCH_NEURONX_")
 ZYGOTE_ENVIRONMENT = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}  # on top of the runners' common environment

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -32,8 +33,6 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-
-from testing.services import stop_process
 
 _VARIABLE = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 # What a local process needs from the machine itself; nothing else is inherited.
@@ -174,8 +173,14 @@ class NativeService:
         raise ComposeError(f"{self.name} not healthy after {timeout:.0f} s; last check: {last}\n{self.tail()}")
 
     def stop(self, timeout: float = 60) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, grace_s=timeout, group=True)
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
 @dataclass

@@ -12,7 +12,6 @@ import contextlib
 import glob
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -91,21 +90,11 @@ class Started:
         for cmd in self.stops:
             subprocess.run(cmd, capture_output=True, check=False)
         for proc in self.processes:
-            stop_process(proc, grace_s=10)
-
-
-def stop_process(proc: subprocess.Popen[bytes], grace_s: float, *, group: bool = False) -> None:
-    """SIGTERM, then SIGKILL if it has not ended within ``grace_s``; to the whole process group it leads when
-    ``group`` (a worker and its pool, a compose stack). Returns once it has ended."""
-    if proc.poll() is not None:
-        return
-    send = (lambda sig: os.killpg(proc.pid, sig)) if group else proc.send_signal
-    send(signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        send(signal.SIGKILL)
-        proc.wait()
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def redis_server_binary() -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 
 from shared.processes import free_port
-from testing.services import Started, ensure_postgres, ensure_redis, stop_process
+from testing.services import Started, ensure_postgres, ensure_redis
 
 
 def runner_paths() -> list[Path]:
@@ -312,7 +313,13 @@ class WorkerProcess:
         raise RuntimeError(f"worker {self.name} did not register:\n{self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
-        stop_process(self.proc, grace_s=30, group=True)
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
 
 
 def start_zygote(address: str, log: Path) -> subprocess.Popen[bytes]:
@@ -321,12 +328,11 @@ def start_zygote(address: str, log: Path) -> subprocess.Popen[bytes]:
     from shared.settings import child_environment, get_settings
     from shared.zygote_client import ZYGOTE_ENVIRONMENT
 
-    with log.open("wb") as output:  # the zygote keeps its own copy of the descriptor
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.runner.zygote_server", address],
-            env=child_environment(get_settings(), ZYGOTE_ENVIRONMENT), cwd=ROOT, stdout=output,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.runner.zygote_server", address],
+        env=child_environment(get_settings(), ZYGOTE_ENVIRONMENT), cwd=ROOT, stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
     deadline = time.monotonic() + 120
     while "ready in" not in log.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -338,10 +344,9 @@ def start_zygote(address: str, log: Path) -> subprocess.Popen[bytes]:
 def host_zygote() -> Iterator[Path]:
     """This host's zygote, as its launcher keeps one (services/worker/host.py): the session's workers fork their
     runners from it, as a fleet's do, instead of starting each as a fresh interpreter that imports torch and
-    transformers first (2 to 4 s, twice a stage). A worker whose runners differ from the zygote in more than their
-    runner settings (another Hub endpoint or home) is refused and starts them afresh; a test's launcher takes a host
-    name of its own. The runner tests' command lines fork from it too (tests/test_runner.py::run_runner). Its log is
-    yielded."""
+    transformers first (2 to 4 s, twice a stage). A worker whose runners' environment is not the zygote's (a planted
+    fault, another compiler) is refused and starts them afresh; a test's launcher takes a host name of its own. Its
+    log is yielded."""
     from shared.settings import get_settings
     from shared.zygote_client import zygote_address
 
@@ -349,7 +354,12 @@ def host_zygote() -> Iterator[Path]:
     log = RUN_DIR / "host-zygote.log"
     proc = start_zygote(zygote_address(settings.data_dir, settings.host_name), log)
     yield log
-    stop_process(proc, grace_s=30)
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture(scope="session")

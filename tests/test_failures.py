@@ -104,7 +104,6 @@ def build_tiny_mistral(out: Path) -> Path:
     return out
 
 
-@pytest.mark.usefixtures("host_zygote")  # its runners fork from the host's zygote
 @pytest.mark.slow
 def test_mistrals_sliding_window_cache_recompiling_per_token_ends_in_a_compile_error(tmp_path: Path) -> None:
     """transformers' static sliding-window cache guards on a Python int (its cumulative length) that changes at

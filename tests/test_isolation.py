@@ -338,7 +338,7 @@ def test_repo_code_runs_as_the_sandbox_user_reaches_no_secret_and_poisons_no_lat
     # The repo's code never forks from the zygote: its private directories are not those the zygote imported
     # torch and huggingface_hub with (both read them at import), so it starts as a fresh interpreter.
     assert f"job {spied.id}, accelerator stage" in acc
-    differs = "HF_HOME, HOME, LOGNAME"  # its sandbox's directories, its uid's name (a runner setting is per child)
+    differs = "HF_HOME, HOME, LOGNAME, SUPPORTMATRIX_CACHE_DIR"  # its sandbox's directories, its uid's name
     assert f"the zygote refused: environment differs from the zygote's in {differs}" in acc
     assert f"as {sandbox.name})" in acc and f"a fresh interpreter, as {sandbox.name})" in verdict
 

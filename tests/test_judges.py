@@ -114,7 +114,6 @@ def fluent_judge() -> Iterator[tuple[str, Path]]:
     server.wait(10)
 
 
-@pytest.mark.usefixtures("host_zygote")  # its runners fork from the host's zygote
 def test_a_judge_decides_a_sharded_bf16_run_whose_numbers_are_inconclusive(
     tiny_models: Path, fluent_judge: tuple[str, Path], tmp_path: Path
 ) -> None:

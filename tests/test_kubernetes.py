@@ -45,7 +45,7 @@ from shared.jobs.queues import compiler_queues_like, job_queue, verdict_queue
 from shared.jobs.submission import Request, submit_model
 from shared.settings import Settings
 from tests import test_faults
-from tests.conftest import ROOT, RUN_DIR, fresh_database, stage_runner
+from tests.conftest import ROOT, RUN_DIR, fresh_database, started_runners
 from tests.test_faults import ORG, RECLAIM_S, RUN_S, STARTUP_S, Proc, Stack, assert_ended_once, gone, stop_all
 from tests.test_stages import frozen
 
@@ -803,6 +803,11 @@ class Pod:
         assert [pid for pid in tree if not gone(pid)] == [], f"processes of {self.host} outlived their pod"
         return drained
 
+    def runner_pid(self, job_id: int, stage: str, timeout: float = 90) -> int:
+        """The runner a worker of this pod started for one stage of a job, from the worker's log line."""
+        self.proc.wait_for(lambda: started_runners(self.proc.text(), job_id, stage) != [], "the runner", timeout)
+        return started_runners(self.proc.text(), job_id, stage)[-1]
+
 
 def descendants(pid: int) -> list[psutil.Process]:
     try:
@@ -900,7 +905,7 @@ def test_a_pod_killed_after_its_grace_period_leaves_its_job_to_the_next_pod(stac
     before = last_job_id(stack)
     first = start_pod(stack, pods, 1)
     job_id = submit(stack, MODELS[0])
-    runner = stage_runner(first.proc, job_id, "accelerator", timeout=90)
+    runner = psutil.Process(first.runner_pid(job_id, "accelerator"))
     with frozen(runner):
         killed_at = utcnow()
         assert not first.terminate(grace_s=3), "the launcher ended while its job still ran: it did not drain"
@@ -935,7 +940,7 @@ def test_the_autoscaled_fleet_shrinks_by_its_idle_pod_while_a_long_stage_finishe
     owner = stack.job(job_id).lease_owner or ""
     [busy] = [pod for pod in pair if f"@{pod.host}:" in owner]
     [idle] = [pod for pod in pair if pod is not busy]
-    runner = stage_runner(busy.proc, job_id, "accelerator", timeout=90)
+    runner = psutil.Process(busy.runner_pid(job_id, "accelerator"))
     with frozen(runner):
         assert idle.proc.proc.wait(IDLE_S + GRACE_S) == 0, idle.proc.text()[-3000:]
         assert f"exit: no work for {IDLE_S:g} s" in idle.proc.text()

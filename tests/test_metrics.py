@@ -24,7 +24,6 @@ import pytest
 import yaml
 
 from shared.processes import free_port
-from testing.services import stop_process
 from tests.conftest import ROOT, fresh_database
 
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
@@ -603,7 +602,12 @@ def running_prometheus(api_port: int, workdir: Path) -> Iterator[str]:
         wait_answering(f"{base}/-/ready", proc, workdir / "prometheus.log")
         yield base
     finally:
-        stop_process(proc, grace_s=20)
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         log.close()
 
 
@@ -732,7 +736,12 @@ def serving_api(database_url: str, workdir: Path) -> Iterator[int]:
         wait_answering(f"http://127.0.0.1:{port}/metrics", proc, workdir / "api.log")
         yield port
     finally:
-        stop_process(proc, grace_s=10)
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def rule_state(client: httpx.Client, alert: str) -> tuple[float, str, list[dict[str, Any]]]:

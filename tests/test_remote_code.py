@@ -69,7 +69,6 @@ def test_a_model_id_is_fetched_from_the_hub_even_when_a_directory_has_its_name(
     assert any(p.startswith("/api/models/org/tiny-gpt2") for _, p in hub.requests[requests_before:])  # asked
 
 
-@pytest.mark.usefixtures("host_zygote")  # its runners fork from the host's zygote
 def test_remote_code_does_not_run_without_the_switch(tiny_models: Path) -> None:
     from tests.test_runner import run_local
 

@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,28 +20,22 @@ from services.runner.specs import DescribeSpec
 from shared.contracts.enums import ErrorClass
 from shared.contracts.report import RunReport
 from shared.contracts.run import RuntimeInfo
-from shared.settings import child_environment, get_settings, inherited_environment
-from shared.zygote_client import kill_group, start_python, zygote_address
+from shared.settings import inherited_environment
 from tests.conftest import ROOT, RUN_DIR
 
 
-def run_runner(*args: str, **env: str) -> tuple[int, RunReport]:
-    """``python -m services.runner ARGS`` with the runners' environment and ``env``, as a worker starts it: forked from
-    this host's zygote when the test keeps it (``host_zygote``) and it forks that environment, its children then too;
-    else a fresh interpreter, as on a host without one. Its exit status and its report (``--report``)."""
-    settings = get_settings()
-    workdir = Path(tempfile.mkdtemp(prefix="runner-", dir=RUN_DIR))
-    report = workdir / "report.json"
-    proc, _ = start_python(
-        "services.runner", [*args, "--report", str(report)], child_environment(settings, env), workdir / "runner.log",
-        own_group=True, zygote=zygote_address(settings.data_dir, settings.host_name),
-    )  # fmt: skip
-    try:
-        code = proc.wait(timeout=600)
-    finally:
-        kill_group(proc)
-    assert report.exists(), (workdir / "runner.log").read_text()[-3000:]
-    return code, RunReport.model_validate_json(report.read_text())
+def run_runner(*args: str, cwd: Path = ROOT, **env: str) -> tuple[int, RunReport]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.runner", *args],
+        cwd=cwd,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-3000:]
+    return proc.returncode, RunReport.model_validate_json(lines[-1])
 
 
 def run_local(directory: Path, *args: str, **env: str) -> tuple[int, RunReport]:
@@ -50,7 +43,6 @@ def run_local(directory: Path, *args: str, **env: str) -> tuple[int, RunReport]:
     return run_runner(f"local/{directory.name}", "--local-dir", str(directory), *args, **env)
 
 
-@pytest.mark.usefixtures("host_zygote")  # its runners fork from the host's zygote
 def test_inductor_compiles_and_a_second_host_hits_the_shared_cache(tiny_models: Path) -> None:
     """The real default compiler on the cpu backend, on a local checkpoint directory; a cold run pushes its
     cache entries to a shared remote, a fresh cache elsewhere pulls them and compiles from the cache."""
@@ -87,7 +79,6 @@ def test_inductor_compiles_and_a_second_host_hits_the_shared_cache(tiny_models: 
     assert warm.comparison.generated_token_ids == report.comparison.generated_token_ids
 
 
-@pytest.mark.usefixtures("host_zygote")  # its runners fork from the host's zygote
 def test_hub_model_is_downloaded_through_the_endpoint(hub: Any, tmp_path: Path) -> None:
     before = len(hub.requests)
     code, report = run_runner("org/tiny-gpt2", HF_HOME=str(tmp_path / "empty-hf-cache"))
@@ -97,7 +88,6 @@ def test_hub_model_is_downloaded_through_the_endpoint(hub: Any, tmp_path: Path) 
     assert any(p.endswith("/resolve/" + report.subject.sha + "/model.safetensors") for p in paths)
 
 
-@pytest.mark.usefixtures("host_zygote")  # its runners fork from the host's zygote
 @pytest.mark.parametrize(
     ("model", "error_class", "message"),
     [
@@ -175,7 +165,6 @@ def test_exceptions_are_classified_by_phase_and_memory() -> None:
     assert classify(torch._dynamo.exc.Unsupported("graph break"), ErrorClass.compile) == ErrorClass.compile
 
 
-@pytest.mark.usefixtures("host_zygote")  # its runners fork from the host's zygote
 def test_evidence_comes_from_what_greedy_picked_from(tiny_models: Path, tmp_path: Path) -> None:
     """A bf16 run of a checkpoint whose generation config sets a repetition penalty, with a benign divergence
     forced at a near tie: the penalty changes greedy's pick at later steps, so evidence from raw logits would
@@ -196,7 +185,6 @@ def test_evidence_comes_from_what_greedy_picked_from(tiny_models: Path, tmp_path
     assert report.resources.graphs_compiled == 2
 
 
-@pytest.mark.usefixtures("host_zygote")  # its runners fork from the host's zygote
 def test_a_fault_of_the_decode_alone_fails_at_the_first_step_whose_logits_moved(tiny_models: Path) -> None:
     """An off-by-one cache position leaves the prefill as it is and moves every decode step (rule version 7): the
     run fails at step 1, where its logits first differ from the reference's on the same prefix, whatever its tokens
@@ -209,7 +197,6 @@ def test_a_fault_of_the_decode_alone_fails_at_the_first_step_whose_logits_moved(
     assert (report.comparison.prefill_rel_error or 0.0) < 1e-3
 
 
-@pytest.mark.usefixtures("host_zygote")  # its runners fork from the host's zygote
 def test_the_compile_has_a_budget_of_its_own_and_a_timeout_names_its_phase(tiny_models: Path) -> None:
     """Compile seconds are charged to SUPPORTMATRIX_COMPILE_TIMEOUT_S, everything else to the job timeout: a
     compile past its budget is ERROR(timeout) naming the compile phase, however much of the rest is left."""

@@ -37,7 +37,6 @@ def runs(tiny_models: Path, *cases: tuple[str, dict[str, str]]) -> list[RunRepor
     return [report for _, report in done]
 
 
-@pytest.mark.usefixtures("host_zygote")  # its runners fork from the host's zygote
 def test_late_faults_pass_the_verdict_and_are_caught_by_the_long_check_and_a_slow_decode_is_a_regression(
     tiny_models: Path, api: Any
 ) -> None:
@@ -88,7 +87,6 @@ def test_late_faults_pass_the_verdict_and_are_caught_by_the_long_check_and_a_slo
     assert record["long_agreement"] == [1.0] * 8 and record["tpot_p99_s"] > 0
 
 
-@pytest.mark.usefixtures("host_zygote")  # its runners fork from the host's zygote
 def test_benign_bf16_runs_of_the_fixtures_are_not_flagged_by_the_long_check(tiny_models: Path) -> None:
     """bf16 reorders near ties late in a long generation: the fixtures' MoE and GPT-2 (its learned positions), one
     core each, keep their 32-token PASS and a long generation that is ok, whatever their first divergence (Mixtral's

@@ -377,7 +377,6 @@ def test_routing_flips_read_each_flip_at_its_own_experts_and_compare_nothing_tha
     assert decide(no_expert, BF16).verdict == Verdict.FAIL
 
 
-@pytest.mark.usefixtures("host_zygote")  # its runners fork from the host's zygote
 @pytest.mark.slow
 def test_a_planted_fault_a_routing_near_tie_excused_before_fails_on_a_moe_at_a_real_router_shape(
     tmp_path_factory: pytest.TempPathFactory,

@@ -6,14 +6,12 @@ until the test writes the spec (a describe), then runs it and exits.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import stat
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,7 +22,7 @@ import pytest
 from services.runner.specs import ChildOutcome, DescribeSpec, SpecFile
 from services.runner.zygote_server import Peer, child_user
 from shared.isolation import RunAs
-from shared.settings import RUNNER_VARIABLES, child_environment, get_settings
+from shared.settings import child_environment, get_settings
 from shared.zygote_client import (
     EXIT_UNKNOWN,
     ForkedProcess,
@@ -54,45 +52,6 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subproces
     yield proc, address, tmp
     proc.terminate()
     proc.wait(30)
-
-
-# The zygote's imports in an interpreter whose environment records each variable looked up by name; a scan of all of
-# them (tqdm's, at import, for its TQDM_ ones: items() reads each from collections.abc) reads none by name.
-RECORD_READS = textwrap.dedent("""
-    import json, os, sys
-    names = set()
-    class Recording(os._Environ):
-        def __getitem__(self, key):
-            if sys._getframe(1).f_code.co_filename != "<frozen _collections_abc>":
-                names.add(key)
-            return super().__getitem__(key)
-        def get(self, key, default=None):
-            names.add(key)
-            return super().get(key, default)
-        def __contains__(self, key):
-            names.add(key)
-            return super().__contains__(key)
-    e = os.environ
-    os.environ = Recording(e._data, e.encodekey, e.decodekey, e.encodevalue, e.decodevalue)
-    from services.runner.zygote_server import preload
-    from shared.settings import get_runner_settings
-    preload()
-    os.environ["SUPPORTMATRIX_PROBE"]  # the recording works
-    print(json.dumps({"names": sorted(names), "settings_built": get_runner_settings.cache_info().misses}))
-""")
-
-
-def test_nothing_the_zygote_imports_reads_a_runner_setting() -> None:
-    """Why a child may be forked under runner settings of its own (``PER_CHILD_NAMES`` holds ``RUNNER_VARIABLES``: a
-    planted fault, another compile backend): nothing the zygote imports looks one up or builds the runner's settings,
-    so each is read in the child, from its environment."""
-    env = child_environment(get_settings(), {"SUPPORTMATRIX_PROBE": "1"})
-    done = subprocess.run([sys.executable, "-c", RECORD_READS], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    reads = json.loads(done.stdout.strip().splitlines()[-1])
-    assert "SUPPORTMATRIX_PROBE" in reads["names"] and "HF_ENDPOINT" in reads["names"], reads  # huggingface_hub's
-    assert sorted(RUNNER_VARIABLES & set(reads["names"])) == [] and reads["settings_built"] == 0
 
 
 def waiting_child(tmp: Path, name: str) -> tuple[Path, Path]:
@@ -159,8 +118,7 @@ def test_a_foreign_environment_or_module_is_refused_and_started_afresh(zygote: t
     """huggingface_hub read HF_ENDPOINT when the zygote imported it: a child told another would use the old one."""
     _, address, tmp = zygote
     env = child_environment(get_settings(), {})
-    per_child = {"HF_TOKEN": "t", "RANK": "1", "NEURON_RT_VISIBLE_CORES": "0-1", "SUPPORTMATRIX_CPU_FAULT": "late_nan"}
-    assert environment_mismatch(env, env | per_child) is None
+    assert environment_mismatch(env, env | {"HF_TOKEN": "t", "RANK": "1", "NEURON_RT_VISIBLE_CORES": "0-1"}) is None
     fifo, out = waiting_child(tmp, "foreign")
     foreign = env | {"HF_ENDPOINT": "http://elsewhere.invalid"}
     proc, refused = start_python(CHILD, [str(fifo)], foreign, tmp / "foreign.log", own_group=True, zygote=address)
